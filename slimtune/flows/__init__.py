@@ -1,0 +1,5 @@
+"""Prefect flows."""
+
+from slimtune.flows.finetune import finetune
+
+__all__ = ["finetune"]

@@ -1,0 +1,70 @@
+"""The finetune flow: load_4bit -> attach_lora -> packed_sft -> cleanup -> dequant_merge -> gguf_convert_and_push."""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from slimtune import registry
+from slimtune.flows.crash import crash_downshift
+from slimtune.flows.stages import (
+    attach_lora_task,
+    cleanup_task,
+    dequant_merge_task,
+    gguf_task,
+    load_4bit_task,
+    packed_sft_task,
+)
+from slimtune.memory import gpu_concurrency, publish_memory_report, resubmit_on_crash
+from slimtune.model_source import check_model_dir, local_model_dir
+from slimtune.report import write_run_report
+from slimtune.spec import PipelineSpec, recheck_paths
+from slimtune.tasks.cleanup import MemorySnapshot
+from slimtune.tasks.packed_sft import prepare_data
+
+
+def _flow_run_name() -> str:
+    spec = flow_run.parameters.get("spec") or {}
+    if isinstance(spec, PipelineSpec):
+        spec = spec.model_dump()
+    model = (spec.get("model") or {}).get("name_or_path", "?")
+    data = str((spec.get("data") or {}).get("path", "?")).rsplit("/", 1)[-1]
+    return f"{spec.get('name', 'run')}: {model} on {data}"
+
+
+@flow(name="finetune", flow_run_name=_flow_run_name, on_crashed=[resubmit_on_crash(crash_downshift)],
+      log_prints=True)
+def finetune(spec: PipelineSpec) -> dict:
+    """Fine-tune `spec.model` with QLoRA on `spec.data`, merge, and export GGUF; returns the run summary."""
+    spec = recheck_paths(spec)
+    model_dir = local_model_dir(spec.model)
+    check_model_dir(spec.model, model_dir)
+    examples = prepare_data(spec, str(model_dir))  # bad data fails here, before any model is loaded
+    baseline = MemorySnapshot.take().to_dict()
+    summary: dict = {"spec": spec.model_dump(mode="json")}
+    try:
+        with gpu_concurrency(spec.model.device):
+            summary["load_4bit"] = loaded = load_4bit_task.with_options(retries=spec.guard.max_retries)(spec)
+            summary["attach_lora"] = lora = attach_lora_task.with_options(retries=spec.guard.max_retries)(
+                spec, loaded["handle"])
+            summary["packed_sft"] = trained = packed_sft_task.with_options(retries=spec.guard.max_retries)(
+                spec, lora["handle"], lora["checkpointing_handle"], examples)
+            summary["cleanup"] = cleanup_task(spec, baseline)
+            if spec.merge.enabled:
+                summary["dequant_merge"] = merged = dequant_merge_task.with_options(
+                    retries=spec.guard.max_retries)(spec, trained["adapter_dir"])
+                if spec.export.gguf or spec.export.push:
+                    summary["gguf_convert_and_push"] = gguf_task.with_options(retries=spec.guard.max_retries)(
+                        spec, merged["out_dir"], trained["adapter_dir"], _card_facts(summary))
+    finally:
+        registry.release_all()  # also on failure: a failed run must not pin a model in this process
+        publish_memory_report(spec.run_dir() / "memory")
+    summary["report"] = str(write_run_report(spec.run_dir(), summary))
+    return summary
+
+
+def _card_facts(summary: dict) -> dict:
+    """The training facts the model card needs (small, JSON-able)."""
+    trained = summary["packed_sft"]
+    return {"spec": summary["spec"], "train": {k: trained.get(k) for k in (
+        "steps", "eval_loss_before", "eval_loss_after", "tokens_seen", "seconds")}}

@@ -1,0 +1,139 @@
+"""The six stages as Prefect tasks: thin wrappers that add the memory guard, retries and downshifts.
+
+Each wrapper estimates what its stage needs, runs the plain function from `slimtune.tasks` under
+`guarded(...)`, and returns a small JSON-able dict (never a model: Prefect keeps task results alive
+until the flow ends). Out-of-memory inside a stage becomes `MemoryPressure`, the only error
+`retry_on_memory_pressure` retries; on the retry the wrapper reads `run_count` and downshifts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import task_run
+
+from slimtune import atomic
+from slimtune.memory import (
+    GuardRecord,
+    downshift_merge,
+    downshift_train,
+    estimate_export,
+    estimate_load_4bit,
+    estimate_merge,
+    estimate_train,
+    guarded,
+    publish_task_report,
+    retry_on_memory_pressure,
+)
+from slimtune.model_source import local_model_dir, read_config
+from slimtune.spec import PipelineSpec
+from slimtune.tasks.attach_lora import attach_lora
+from slimtune.tasks.cleanup import cleanup
+from slimtune.tasks.dequant_merge import dequant_merge
+from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
+from slimtune.tasks.load_4bit import load_4bit
+from slimtune.tasks.packed_sft import packed_sft
+
+log = logging.getLogger(__name__)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _attempt() -> int:
+    """1 on the first try, 2 on the first retry (Prefect's run_count)."""
+    return task_run.run_count or 1
+
+
+def _device(spec: PipelineSpec) -> str:
+    from slimtune.device import resolve_device
+
+    return str(resolve_device(spec.model.device))
+
+
+@contextlib.contextmanager
+def _guard(stage: str, spec: PipelineSpec, estimate, downshifts: list[str] | None = None) -> Iterator[None]:
+    """Run a stage under the memory guard and keep its record (published even when the stage fails)."""
+    if not spec.guard.enabled:
+        yield
+        return
+    record: GuardRecord | None = None
+    try:
+        with guarded(stage, estimate=estimate if spec.guard.preflight else None, device=_device(spec),
+                     budget_fraction=spec.guard.gpu_memory_fraction, disk_path=spec.run_dir()) as record:
+            record.attempts = _attempt()
+            record.downshifts.extend(downshifts or [])
+            yield
+    finally:
+        if record is not None:
+            publish_task_report(record)
+            atomic.write_json(spec.run_dir() / "memory" / f"{stage}.json", record.to_dict())
+
+
+def _task(name: str, run_name: str):
+    return task(name=name, task_run_name=run_name, cache_policy=NO_CACHE,
+                retry_condition_fn=retry_on_memory_pressure, retry_delay_seconds=0)
+
+
+@_task("load_4bit", "load_4bit [{spec.name}]")
+def load_4bit_task(spec: PipelineSpec) -> dict:
+    """Load the base model in NF4; the model stays in the process registry."""
+    cfg = read_config(local_model_dir(spec.model))
+    with _guard("load_4bit", spec, estimate_load_4bit(cfg, compute_dtype_bytes=2)):
+        return load_4bit(spec).to_dict()
+
+
+@_task("attach_lora", "attach_lora [{spec.name}]")
+def attach_lora_task(spec: PipelineSpec, handle: str) -> dict:
+    """Attach LoRA and the chosen gradient checkpointing."""
+    with _guard("attach_lora", spec, None):
+        return attach_lora(spec, handle).to_dict()
+
+
+@_task("packed_sft", "packed_sft [{spec.name}]")
+def packed_sft_task(spec: PipelineSpec, handle: str, checkpointing_handle: str, examples_handle: str) -> dict:
+    """Train; each out-of-memory retry halves the micro-batch (doubling accumulation), then offloads."""
+    shift = downshift_train(spec.train.micro_batch_size, spec.train.gradient_accumulation_steps,
+                            spec.lora.gradient_checkpointing, _attempt())
+    notes = [shift.note] if shift.note else []
+    for note in notes:
+        log.warning("packed_sft downshift: %s", note)
+    cfg = read_config(local_model_dir(spec.model))
+    est = estimate_train(cfg, micro_batch=shift.micro_batch, seq_len=spec.data.max_seq_length,
+                         lora_r=spec.lora.r, target_modules=spec.lora.target_modules,
+                         checkpointing=shift.checkpointing)
+    with _guard("packed_sft", spec, est, notes):
+        report = packed_sft(spec, handle, checkpointing_handle, examples_handle,
+                            micro_batch_size=shift.micro_batch, gradient_accumulation_steps=shift.grad_accum,
+                            gradient_checkpointing=shift.checkpointing)
+        return report.to_dict()
+
+
+@_task("cleanup", "cleanup [{spec.name}]")
+def cleanup_task(spec: PipelineSpec, baseline: dict) -> dict:
+    """Free every live model and check memory is back to where the run started."""
+    with _guard("cleanup", spec, None):
+        return cleanup(baseline).to_dict()
+
+
+@_task("dequant_merge", "dequant_merge [{spec.name}]")
+def dequant_merge_task(spec: PipelineSpec, adapter_dir: str) -> dict:
+    """Merge tensor by tensor; each out-of-memory retry lowers maximum_memory_usage by 0.1."""
+    usage, note = downshift_merge(spec.merge.maximum_memory_usage, _attempt())
+    notes = [note] if note else []
+    cfg = read_config(local_model_dir(spec.model))
+    est = estimate_merge(cfg, max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9),
+                         output_dtype_bytes=_DTYPE_BYTES.get(spec.merge.output_dtype, 2))
+    with _guard("dequant_merge", spec, est, notes):
+        return dequant_merge(spec, adapter_dir, maximum_memory_usage=usage).to_dict()
+
+
+@_task("gguf_convert_and_push", "gguf_convert_and_push [{spec.name}]")
+def gguf_task(spec: PipelineSpec, merged_dir: str, adapter_dir: str, summary: dict) -> dict:
+    """Convert to GGUF, verify in llama.cpp, and push to the Hub when the spec says so."""
+    cfg = read_config(Path(merged_dir))
+    with _guard("gguf_convert_and_push", spec, estimate_export(cfg, out_types=spec.export.gguf)):
+        return gguf_convert_and_push(spec, Path(merged_dir), Path(adapter_dir), summary).to_dict()

@@ -1,0 +1,70 @@
+"""Where a model's files are: builtin tiny models, local directories and Hub ids, all as a local folder.
+
+Every stage reads the same folder (load_4bit the weights, dequant_merge the 16-bit shards, the GGUF
+export the tokenizer), so it is resolved in one place, with the safety checks: safetensors only unless
+the spec opts into pickle, and only architectures we support and test.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from slimtune.spec import ModelSpec
+from slimtune.tiny import ensure_builtin, is_builtin
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+class ModelSourceError(ValueError):
+    """The model cannot be used as given; the message names the spec field to change."""
+
+
+def local_model_dir(model: ModelSpec) -> Path:
+    """The local folder holding the model: builds builtin models, fetches Hub ids into the HF cache."""
+    if is_builtin(model.name_or_path):
+        return ensure_builtin(model.name_or_path)
+    path = Path(model.name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+    if model.allow_pickle:
+        patterns += ["*" + s for s in _PICKLE_SUFFIXES]
+    return Path(snapshot_download(model.name_or_path, revision=model.revision, allow_patterns=patterns))
+
+
+def read_config(model_dir: Path) -> dict:
+    """config.json as a dict, with a clear error when it is missing."""
+    cfg = model_dir / "config.json"
+    if not cfg.is_file():
+        raise ModelSourceError(f"model.name_or_path: {model_dir} has no config.json; point it at a Hugging "
+                               "Face model folder")
+    return json.loads(cfg.read_text(encoding="utf-8"))
+
+
+def check_model_dir(model: ModelSpec, model_dir: Path) -> dict:
+    """Refuse unsupported architectures and pickle weights (unless allowed); returns the config dict."""
+    cfg = read_config(model_dir)
+    model_type = cfg.get("model_type", "?")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        archs = ", ".join(cfg.get("architectures") or []) or "unknown"
+        raise ModelSourceError(
+            f"model.name_or_path: architecture {model_type!r} ({archs}) is not supported; slimtune supports "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if cfg.get("slimtune_merged"):
+        raise ModelSourceError(f"model.name_or_path: {model_dir} is a model slimtune already merged an "
+                               "adapter into; fine-tune its original base instead")
+    has_safetensors = any(model_dir.glob("*.safetensors"))
+    has_pickle = any(p.suffix in _PICKLE_SUFFIXES for p in model_dir.iterdir())
+    if not has_safetensors:
+        if not has_pickle:
+            raise ModelSourceError(f"model.name_or_path: no weights (*.safetensors) in {model_dir}")
+        if not model.allow_pickle:
+            raise ModelSourceError(
+                f"model.allow_pickle: {model_dir} holds only pickle weights (.bin/.pt), which can run code "
+                "when loaded; convert them to safetensors, or set model.allow_pickle: true to load them "
+                "with weights_only=True")
+    return cfg

@@ -1,0 +1,55 @@
+"""The run report: one JSON file for machines, one markdown file and Prefect artifact for people."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from slimtune import atomic
+
+log = logging.getLogger(__name__)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)) and len(value) > 6:
+        return f"{len(value)} items"
+    return str(value)
+
+
+def _rows(title: str, record: dict) -> list[str]:
+    rows = [f"### {title}", "", "| field | value |", "|---|---|"]
+    for key, value in record.items():
+        if isinstance(value, dict):
+            continue
+        rows.append(f"| {key} | {_fmt(value)} |")
+    return rows + [""]
+
+
+def render_markdown(summary: dict) -> str:
+    """A readable report: one table per stage, in pipeline order (nested records are left to the JSON)."""
+    spec = summary.get("spec", {})
+    lines = [f"# slimtune run `{spec.get('name', '?')}`", "",
+             f"Model `{spec.get('model', {}).get('name_or_path', '?')}`, data `{spec.get('data', {}).get('path', '?')}`.",
+             ""]
+    for stage in ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push"):
+        if isinstance(summary.get(stage), dict):
+            lines += _rows(stage, summary[stage])
+    return "\n".join(lines)
+
+
+def write_run_report(run_dir: Path, summary: dict) -> Path:
+    """Write report.json and report.md under `run_dir` and publish the markdown as a Prefect artifact."""
+    path = atomic.write_json(run_dir / "report.json", summary)
+    markdown = render_markdown(summary)
+    atomic.write_text(run_dir / "report.md", markdown)
+    try:
+        from prefect.artifacts import create_markdown_artifact
+        from prefect.context import FlowRunContext
+
+        if FlowRunContext.get() is not None:
+            create_markdown_artifact(markdown, key="run-report", description="slimtune run report")
+    except Exception as e:  # the report on disk is the record; the UI copy is a convenience
+        log.warning("could not publish the run report artifact: %s", e)
+    return path

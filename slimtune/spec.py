@@ -1,0 +1,390 @@
+"""The pipeline spec: one YAML file, validated by pydantic before any model is loaded.
+
+`PipelineSpec` is also the flow's parameter, so the Prefect UI renders it as a form; every field's
+description becomes that form's help. Problems are collected and reported together, one line per
+problem naming the field, the bad value and what is allowed (`SpecError`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from slimtune.tiny import BUILTIN_PREFIX, FAMILIES, is_builtin
+
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# GGUF output types: written by our converter (numpy quantizers of the `gguf` package) or by llama.cpp's
+# own quantizer (k-quants and i-quants; needs the optional llama-cpp-python extra).
+GGUF_NATIVE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q5_0")
+GGUF_LLAMA_CPP = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
+                  "iq4_xs", "iq4_nl")
+GGUF_ALIASES = {"not_quantized": "f16", "fast_quantized": "q8_0", "quantized": "q4_k_m"}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Section):
+    """The base model and how it is loaded."""
+
+    name_or_path: str = Field(
+        f"{BUILTIN_PREFIX}llama",
+        description="Hub id (org/name), a local model directory, or builtin:tiny-<family> "
+        f"({', '.join(FAMILIES)}) for the locally built test models.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
+    trust_remote_code: bool = Field(
+        False, description="Run Python code shipped with the model. Off by default: it executes "
+        "arbitrary code from the model repository.")
+    allow_pickle: bool = Field(
+        False, description="Allow .bin/.pt (pickle) weights when no safetensors exist; they are then "
+        "loaded with weights_only=True.")
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Dtype of the 4-bit layers' matmuls: auto = bf16 where the GPU supports it, "
+        "fp16 otherwise, fp32 on CPU.")
+    device: str = Field("auto", description="auto (cuda:0 if present, else cpu), cpu, cuda or cuda:N.")
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "auto", description="Attention kernel; auto = flash_attention_2 when installed, else sdpa.")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError("must be auto, cpu, cuda or cuda:N (e.g. cuda:0)")
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if is_builtin(v):
+            if v[len(BUILTIN_PREFIX):] not in FAMILIES:
+                raise ValueError(f"unknown builtin model; use one of "
+                                 f"{', '.join(BUILTIN_PREFIX + f for f in FAMILIES)}")
+            return v
+        if Path(v).expanduser().is_dir():
+            return v
+        if v.startswith((".", "/", "~")) or v.count("/") > 1:
+            raise ValueError("local model directory not found; give an existing directory or a Hub id "
+                             "such as meta-llama/Llama-3.1-8B")
+        return v
+
+
+class LoraSpec(_Section):
+    """The LoRA adapter and gradient checkpointing."""
+
+    r: int = Field(16, gt=0, le=1024, description="LoRA rank (> 0).")
+    alpha: float = Field(16, gt=0, description="LoRA alpha; the update is scaled by alpha / r "
+                         "(alpha / sqrt(r) with rslora).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input, in [0, 1).")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        default_factory=lambda: list(DEFAULT_TARGETS),
+        description="Module names to adapt, or all-linear for every linear layer except the output head.")
+    use_rslora: bool = Field(False, description="Rank-stabilised LoRA scaling (alpha / sqrt(r)).")
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
+    train_embeddings: bool = Field(
+        False, description="Also train embed_tokens and lm_head (full copies; the frozen originals are "
+        "offloaded to the CPU).")
+    gradient_checkpointing: Union[bool, Literal["unsloth"]] = Field(
+        "unsloth", description="false = none, true = standard recomputation, unsloth = recomputation with "
+        "layer inputs offloaded to pinned host memory (least GPU memory).")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v):
+        if isinstance(v, list) and (not v or any(not t.strip() for t in v)):
+            raise ValueError("must be a non-empty list of module names (e.g. [q_proj, v_proj]) or all-linear")
+        return v
+
+
+class DataSpec(_Section):
+    """Training data: where it is, its format, and how it is packed."""
+
+    path: str = Field(
+        "deployments/data/tiny_chat.jsonl",
+        description="A local .jsonl/.json/.parquet file (relative paths are resolved against the spec "
+        "file's folder, then the working directory) or a Hub dataset id (needs slimtune[datasets]).")
+    split: str = Field("train", description="Split to read from a Hub dataset.")
+    format: Literal["auto", "messages", "prompt_completion", "text"] = Field(
+        "auto", description="Record format; auto detects it from the first record's fields.")
+    messages_field: str = Field("messages", description="Field holding chat messages (role/content).")
+    prompt_field: str = Field("prompt", description="Field holding the prompt.")
+    completion_field: str = Field("completion", description="Field holding the completion.")
+    text_field: str = Field("text", description="Field holding plain text.")
+    completion_only_loss: bool = Field(
+        True, description="Train only on assistant/completion tokens (prompt, system and user tokens get "
+        "label -100). Plain text always trains on every token.")
+    max_seq_length: int = Field(512, ge=16, le=262144, description="Tokens per packed row.")
+    packing: Literal["packed", "padding_free", "padded"] = Field(
+        "packed", description="packed = best-fit rows of max_seq_length with per-example positions; "
+        "padding_free = one example per row, no padding; padded = classic padded batches.")
+    overlong: Literal["truncate", "drop"] = Field("truncate", description="What to do with examples "
+                                                  "longer than max_seq_length.")
+    eval_fraction: float = Field(0.1, ge=0, lt=0.5, description="Share of examples held out for eval "
+                                 "loss, in [0, 0.5).")
+    on_bad_record: Literal["error", "skip"] = Field(
+        "error", description="error = stop at the first malformed record (file:line:field); skip = skip "
+        "and count them.")
+
+
+class TrainSpec(_Section):
+    """The training loop."""
+
+    micro_batch_size: int = Field(4, gt=0, le=4096, description="Packed rows per forward pass (> 0).")
+    gradient_accumulation_steps: int = Field(1, gt=0, le=65536, description="Micro-batches per optimizer "
+                                             "step (> 0).")
+    learning_rate: float = Field(2e-4, gt=0, le=1, description="Peak learning rate, in (0, 1].")
+    lr_scheduler: Literal["linear", "cosine", "constant"] = Field("cosine", description="Decay after "
+                                                                  "warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps; overrides epochs when set.")
+    epochs: float = Field(1.0, gt=0, le=1000, description="Passes over the training data.")
+    optimizer: Literal["adamw_torch", "adamw_torch_fused", "paged_adamw_8bit"] = Field(
+        "adamw_torch", description="adamw_torch_fused is faster on GPU; paged_adamw_8bit uses least "
+        "memory (bitsandbytes).")
+    weight_decay: float = Field(0.0, ge=0, lt=1, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables.")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="Autocast dtype: auto = bf16 where supported, fp16 otherwise, fp32 on CPU.")
+    seed: int = Field(0, ge=0, description="Seed for init, dropout and data order.")
+    logging_steps: int = Field(1, gt=0, description="Log every N steps.")
+    eval_steps: int | None = Field(None, gt=0, description="Eval loss every N steps (None: at the end).")
+    save_steps: int = Field(50, gt=0, description="Checkpoint every N steps.")
+    save_total_limit: int = Field(2, gt=0, description="Checkpoints to keep.")
+    empty_cache_steps: int | None = Field(None, gt=0, description="Clear the device cache every N steps.")
+    resume: bool = Field(True, description="Resume from the latest complete checkpoint of this run.")
+    kernels: Union[Literal["auto", "off"], list[str]] = Field(
+        "auto", description="Triton kernels: auto (what the GPU and family support), off, or a list "
+        "of kernel names.")
+    num_gpus: int = Field(1, ge=1, le=64, description="Data-parallel GPUs on this host (torchrun).")
+
+
+class MergeSpec(_Section):
+    """Merging the adapter into 16-bit weights."""
+
+    enabled: bool = Field(True, description="Write a merged 16-bit model (needed for GGUF).")
+    source: Literal["auto", "dequantized", "original"] = Field(
+        "auto", description="original = add the delta to the base's 16-bit shards; dequantized = to the "
+        "NF4 weights training saw; auto = original when 16-bit shards exist.")
+    maximum_memory_usage: float = Field(
+        0.9, gt=0, le=0.95, description="Fraction of free GPU (and available host) memory the merge may "
+        "use, in (0, 0.95]. Lower it if the merge runs out of memory.")
+    temporary_location: str | None = Field(
+        None, description="Folder for tensors spilled to disk when host memory runs short (default: "
+        "inside the run directory).")
+    output_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Dtype of the merged weights; auto = the base checkpoint's dtype.")
+    max_shard_size_gb: float = Field(2.0, gt=0, description="Largest safetensors shard, in GB.")
+
+
+class PushSpec(_Section):
+    """Where the GGUF files go on the Hugging Face Hub (token from HF_TOKEN or a Prefect Secret)."""
+
+    repo_id: str = Field(..., description="Target repository, org/name.")
+    private: bool = Field(True, description="Create the repository private.")
+    revision: str | None = Field(None, description="Branch to commit to (default: main).")
+    include_adapter: bool = Field(False, description="Also upload the LoRA adapter.")
+    include_merged: bool = Field(False, description="Also upload the merged 16-bit model.")
+
+    @field_validator("repo_id")
+    @classmethod
+    def _repo(cls, v: str) -> str:
+        parts = v.split("/")
+        if len(parts) != 2 or not all(parts):
+            raise ValueError("must be of the form org/name")
+        return v
+
+
+class ExportSpec(_Section):
+    """GGUF conversion, verification and publishing."""
+
+    gguf: list[str] = Field(default_factory=lambda: ["f16"],
+                            description="GGUF types to write: " + ", ".join(GGUF_NATIVE + GGUF_LLAMA_CPP)
+                            + ", or the aliases " + ", ".join(GGUF_ALIASES) + ". Empty: no GGUF.")
+    verify: bool = Field(True, description="Load every GGUF and compare it with the merged model.")
+    split_max_size_gb: float | None = Field(None, gt=0, description="Split GGUF files larger than this.")
+    push: PushSpec | None = Field(None, description="Push to the Hub; omit to keep files local.")
+
+    @field_validator("gguf")
+    @classmethod
+    def _types(cls, v: list[str]) -> list[str]:
+        out, bad = [], []
+        for name in v:
+            canon = GGUF_ALIASES.get(name.lower(), name.lower())
+            (out if canon in GGUF_NATIVE + GGUF_LLAMA_CPP else bad).append(canon)
+        if bad:
+            raise ValueError(f"unknown GGUF type(s) {bad}; use {', '.join(GGUF_NATIVE + GGUF_LLAMA_CPP)} "
+                             f"or {', '.join(GGUF_ALIASES)}")
+        missing = [m for m in out if m in GGUF_LLAMA_CPP]
+        if missing and importlib.util.find_spec("llama_cpp") is None:
+            raise ValueError(f"{missing} need llama.cpp's quantizer; install it with "
+                             "pip install 'slimtune[llama-cpp]' or choose f16/bf16/q8_0/q4_0/q5_0")
+        return list(dict.fromkeys(out))
+
+
+class GuardSpec(_Section):
+    """The memory guard around every task."""
+
+    enabled: bool = Field(True, description="Check estimates, watch peaks and turn OOM into retries.")
+    max_retries: int = Field(3, ge=0, le=10, description="Retries after out-of-memory, each downshifted.")
+    gpu_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="Cap this run at this fraction of the GPU so that it fails inside "
+        "its budget instead of starving other processes.")
+    preflight: bool = Field(True, description="Fail before allocating when the estimate exceeds what is "
+                            "free.")
+    max_crash_resubmits: int = Field(2, ge=0, le=10, description="Times a run killed by the host "
+                                     "(e.g. the OOM killer) is re-submitted, downshifted.")
+
+
+class PipelineSpec(_Section):
+    """One fine-tuning run: base model -> LoRA training -> merged model -> GGUF."""
+
+    name: str = Field("tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+                      description="Run name: letters, digits, '.', '_' or '-'; names the run directory.")
+    output_dir: str = Field("runs", description="Folder that holds the run directory.")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    merge: MergeSpec = Field(default_factory=MergeSpec)
+    export: ExportSpec = Field(default_factory=ExportSpec)
+    guard: GuardSpec = Field(default_factory=GuardSpec)
+    resubmits: int = Field(0, ge=0, description="Set by the crash hook: how often this run was re-submitted.")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "PipelineSpec":
+        if self.export.gguf and not self.merge.enabled:
+            raise ValueError("export.gguf needs merge.enabled: true (GGUF is converted from the merged "
+                             "model); set export.gguf: [] to skip GGUF")
+        if self.train.precision == "fp16" and self.model.compute_dtype == "bfloat16":
+            raise ValueError("train.precision fp16 with model.compute_dtype bfloat16 mixes dtypes; use "
+                             "bf16 for both or fp16 for both")
+        return self
+
+    def run_dir(self) -> Path:
+        """The folder that holds this run's adapter, checkpoints, merged model, GGUF and report."""
+        return Path(self.output_dir).expanduser() / self.name
+
+
+class SpecError(ValueError):
+    """A spec that cannot run: one line per problem, each naming the field and the fix."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        head = f"invalid spec{f' {source}' if source else ''}: {len(problems)} problem(s)"
+        super().__init__("\n".join([head] + [f"  - {p}" for p in problems]))
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The spec section behind a field's annotation (also through Optional), else None."""
+    candidates = [annotation, *getattr(annotation, "__args__", ())]
+    return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+
+
+def _field_path(loc: tuple) -> str:
+    """The user-facing field path of an error location, without pydantic's union-branch tags."""
+    parts, model = [], PipelineSpec
+    for part in loc:
+        if model is not None and part in model.model_fields:
+            parts.append(part)
+            model = _submodel(model.model_fields[part].annotation)
+        elif model is not None:  # a key the section does not have (extra="forbid")
+            parts.append(str(part))
+            model = None
+        elif isinstance(part, int):  # a list index
+            parts.append(str(part))
+        # anything else is a union-branch tag such as "literal['unsloth']"
+    return ".".join(parts) or "(top level)"
+
+
+def _describe(errors: list[dict[str, Any]]) -> list[str]:
+    """One line per field: union fields report every alternative in one line."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for err in errors:
+        grouped.setdefault(_field_path(err["loc"]), []).append(err)
+    lines = []
+    for loc, errs in grouped.items():
+        kinds = {e["type"] for e in errs}
+        if "extra_forbidden" in kinds:
+            lines.append(f"{loc}: unknown key; remove it or check its spelling")
+            continue
+        if "missing" in kinds:
+            lines.append(f"{loc}: required field is missing")
+            continue
+        value = errs[0].get("input")
+        shown = repr(value) if len(repr(value)) < 60 else type(value).__name__
+        msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errs))
+        lines.append(f"{loc}: got {shown}; " + " or ".join(msgs))
+    return lines
+
+
+def parse_spec(data: dict[str, Any], *, base_dir: Path | None = None, source: str | None = None) -> PipelineSpec:
+    """Validate a spec dict; relative data/output paths are resolved against `base_dir` when they exist there."""
+    if not isinstance(data, dict):
+        raise SpecError([f"the spec must be a mapping of sections, got {type(data).__name__}"], source)
+    try:
+        spec = PipelineSpec.model_validate(data)
+    except ValidationError as e:
+        problems = _describe(e.errors())
+        raw_path = (data.get("data") or {}).get("path") if isinstance(data.get("data"), dict) else None
+        if isinstance(raw_path, str) and not any(p.startswith("data.path") for p in problems):
+            problems += _check_paths(PipelineSpec(data=DataSpec(path=raw_path)), base_dir)
+        raise SpecError(problems, source) from None
+    problems = _check_paths(spec, base_dir)
+    if problems:
+        raise SpecError(problems, source)
+    return spec
+
+
+def _check_paths(spec: PipelineSpec, base_dir: Path | None) -> list[str]:
+    """Resolve and check local paths; relative paths are relative to the spec file's folder.
+
+    They cannot be checked field by field: where they point depends on the folder of the spec file.
+    """
+    problems = []
+    data_path = Path(spec.data.path).expanduser()
+    local_suffix = data_path.suffix.lower() in (".jsonl", ".json", ".parquet")
+    if not data_path.is_absolute() and base_dir is not None and (base_dir / data_path).exists():
+        spec.data.path = str((base_dir / data_path).resolve())
+    elif data_path.exists():
+        spec.data.path = str(data_path.resolve())
+    elif local_suffix or spec.data.path.startswith((".", "/", "~")):
+        problems.append(f"data.path: got {spec.data.path!r}; file not found (looked in "
+                        f"{base_dir or Path.cwd()} and {Path.cwd()}); give an existing .jsonl/.json/.parquet file")
+    elif importlib.util.find_spec("datasets") is None:
+        problems.append(f"data.path: got {spec.data.path!r}; not a local file, and Hub datasets need the "
+                        "datasets extra: pip install 'slimtune[datasets]'")
+    if Path(spec.data.path).is_dir():
+        problems.append(f"data.path: got {spec.data.path!r}; is a directory; give a data file")
+    if base_dir is not None and not Path(spec.output_dir).expanduser().is_absolute():
+        spec.output_dir = str((base_dir / spec.output_dir).resolve())
+    if spec.merge.temporary_location is not None:
+        tmp = Path(spec.merge.temporary_location).expanduser()
+        if tmp.exists() and not tmp.is_dir():
+            problems.append(f"merge.temporary_location: got {str(tmp)!r}; exists and is not a directory")
+    return problems
+
+
+def recheck_paths(spec: PipelineSpec) -> PipelineSpec:
+    """Check the paths of a spec that arrived without a file (a deployment, the UI form) from the cwd."""
+    spec = spec.model_copy(deep=True)
+    problems = _check_paths(spec, None)
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def load_spec(path: str | Path) -> PipelineSpec:
+    """Read and validate a YAML spec file."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError([f"spec file {str(path)!r} not found"])
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise SpecError([f"not valid YAML: {e}"], str(path)) from None
+    return parse_spec(data or {}, base_dir=path.resolve().parent, source=str(path))

@@ -1,0 +1,80 @@
+"""attach_lora: LoRA adapters via peft on the registered 4-bit model, with the chosen checkpointing."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+
+from slimtune import registry
+from slimtune.memory.checkpointing import enable_checkpointing
+from slimtune.spec import PipelineSpec
+
+log = logging.getLogger(__name__)
+_EMBEDDINGS = ("embed_tokens", "lm_head")
+
+
+@dataclass(frozen=True)
+class LoraResult:
+    """The handle (now pointing at the peft model) and what was made trainable."""
+
+    handle: str
+    checkpointing_handle: str
+    trainable_parameters: int
+    total_parameters: int
+    target_modules: list[str]
+    gradient_checkpointing: str
+    offloading: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _embedding_dtype(device: torch.device) -> torch.dtype:
+    # fp16 master weights are unstable for full embedding training (T4-class GPUs without bf16): fp32 there.
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _offload_frozen_embeddings(model: torch.nn.Module, device: torch.device) -> None:
+    """Trainable copies stay on the device; the frozen originals only cost host memory."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in _EMBEDDINGS and hasattr(module, "original_module"):
+            module.original_module.to("cpu")
+            module.modules_to_save.to(device=device, dtype=_embedding_dtype(device))
+
+
+def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
+    """Wrap the model behind `handle` with LoRA (peft) and configure gradient checkpointing."""
+    from peft import LoraConfig, get_peft_model
+
+    model = registry.get(handle)
+    if spec.lora.train_embeddings and model.config.tie_word_embeddings:
+        raise ValueError("lora.train_embeddings: this model ties embed_tokens and lm_head, so training "
+                         "separate copies would untie them; set lora.train_embeddings: false")
+    device = next(model.parameters()).device
+    for p in model.parameters():
+        p.requires_grad_(False)
+    config = LoraConfig(
+        r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,
+        target_modules=spec.lora.target_modules, use_rslora=spec.lora.use_rslora, bias=spec.lora.bias,
+        task_type="CAUSAL_LM", modules_to_save=list(_EMBEDDINGS) if spec.lora.train_embeddings else None)
+    torch.manual_seed(spec.train.seed)  # LoRA A is randomly initialised: same spec, same adapter
+    peft_model = get_peft_model(model, config)
+    if spec.lora.train_embeddings:
+        _offload_frozen_embeddings(peft_model, device)
+    checkpointing = enable_checkpointing(peft_model, spec.lora.gradient_checkpointing)
+    peft_model.config.use_cache = False
+    registry.replace(handle, peft_model)
+    # The checkpointing handle holds pinned host buffers: it lives in the registry so cleanup frees it too.
+    ckpt_handle = registry.put("checkpointing", checkpointing)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in peft_model.parameters())
+    targets = sorted(peft_model.peft_config["default"].target_modules)
+    log.info("LoRA r=%d on %s: %d trainable of %d parameters, checkpointing=%s", spec.lora.r, targets,
+             trainable, total, spec.lora.gradient_checkpointing)
+    return LoraResult(handle=handle, checkpointing_handle=ckpt_handle, trainable_parameters=trainable, total_parameters=total,
+                      target_modules=targets, gradient_checkpointing=str(spec.lora.gradient_checkpointing),
+                      offloading=checkpointing.offloading)

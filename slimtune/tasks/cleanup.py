@@ -1,0 +1,70 @@
+"""cleanup: free every live model and cache, and check that memory is back to its baseline."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+from slimtune import registry
+from slimtune.memory import clean_memory
+
+log = logging.getLogger(__name__)
+# After freeing the models only the CUDA context and allocator bookkeeping should remain; 64 MiB is the
+# tolerance the memory-guard issue sets for "back to baseline".
+BASELINE_TOLERANCE_BYTES = 64 * 1024**2
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """Memory in use at one moment: GPU allocated by torch (None without CUDA) and host RSS."""
+
+    gpu_allocated: int | None
+    host_rss: int
+
+    @classmethod
+    def take(cls) -> "MemorySnapshot":
+        gpu = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+        return cls(gpu_allocated=gpu, host_rss=psutil.Process().memory_info().rss)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CleanupResult:
+    """What was released and how far GPU memory is from where the run started."""
+
+    released: list[str]
+    before: dict
+    after: dict
+    gpu_excess_bytes: int | None
+    back_to_baseline: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def cleanup(baseline: dict) -> CleanupResult:
+    """Release every registered object, clear caches, and compare GPU memory with `baseline`.
+
+    Args:
+        baseline: `MemorySnapshot.to_dict()` taken before load_4bit.
+    """
+    before = MemorySnapshot.take()
+    released = registry.release_all()
+    clean_memory()
+    after = MemorySnapshot.take()
+    excess = None
+    ok = True
+    if after.gpu_allocated is not None and baseline.get("gpu_allocated") is not None:
+        excess = after.gpu_allocated - baseline["gpu_allocated"]
+        ok = excess <= BASELINE_TOLERANCE_BYTES
+        if not ok:
+            log.warning("GPU memory is %.1f MiB above its value before load_4bit after cleanup; something "
+                        "still references a model tensor", excess / 2**20)
+    log.info("released %s; GPU allocated %s -> %s bytes", released, before.gpu_allocated, after.gpu_allocated)
+    return CleanupResult(released=released, before=before.to_dict(), after=after.to_dict(),
+                         gpu_excess_bytes=excess, back_to_baseline=ok)

@@ -1,0 +1,41 @@
+"""packed_sft: supervised fine-tuning on packed, padding-free batches, with checkpoints and resume."""
+
+from __future__ import annotations
+
+import logging
+
+from slimtune import registry
+from slimtune.memory.checkpointing import enable_checkpointing
+from slimtune.spec import PipelineSpec
+from slimtune.train import TrainReport, train_adapter
+
+log = logging.getLogger(__name__)
+
+
+def prepare_data(spec: PipelineSpec, model_dir: str) -> str:
+    """Read, check and tokenize the data before any model is loaded; returns a registry handle.
+
+    Bad data (file:line:field) fails here, in seconds, rather than after the model is on the GPU.
+    """
+    from transformers import AutoTokenizer
+
+    from slimtune.data import load_examples
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=spec.model.trust_remote_code)
+    examples = load_examples(spec.data, tokenizer)
+    return registry.put("examples", (tokenizer, examples))
+
+
+def packed_sft(spec: PipelineSpec, model_handle: str, checkpointing_handle: str, examples_handle: str, *,
+               micro_batch_size: int, gradient_accumulation_steps: int,
+               gradient_checkpointing: bool | str) -> TrainReport:
+    """Train the LoRA adapter; micro-batch, accumulation and checkpointing may be downshifted by the guard."""
+    model = registry.get(model_handle)
+    current = registry.get(checkpointing_handle)
+    if current.mode != gradient_checkpointing:
+        log.info("switching gradient checkpointing %s -> %s", current.mode, gradient_checkpointing)
+        current.undo()
+        registry.replace(checkpointing_handle, enable_checkpointing(model, gradient_checkpointing))
+    tokenizer, examples = registry.get(examples_handle)
+    return train_adapter(model, tokenizer, examples, spec.train, spec.data, spec.run_dir(),
+                         micro_batch_size=micro_batch_size, gradient_accumulation_steps=gradient_accumulation_steps)
