@@ -11,8 +11,10 @@ import json
 import os
 import sys
 
-# Prefect reads its settings at import; telemetry calls fail without internet and only add noise.
+# Prefect reads its settings at import; telemetry calls fail without internet and only add noise, and
+# the embedded server's 20 s start-up limit is too short on a busy 2-core machine (seen: >20 s).
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 EXIT_INVALID_SPEC = 2
 EXIT_FAILED = 1

@@ -13,6 +13,7 @@ from slimtune.flows.stages import (
     dequant_merge_task,
     gguf_task,
     load_4bit_task,
+    load_records,
     packed_sft_task,
 )
 from slimtune.memory import gpu_concurrency, publish_memory_report, resubmit_on_crash
@@ -58,7 +59,7 @@ def finetune(spec: PipelineSpec) -> dict:
                         spec, merged["out_dir"], trained["adapter_dir"], _card_facts(summary))
     finally:
         registry.release_all()  # also on failure: a failed run must not pin a model in this process
-        publish_memory_report(spec.run_dir() / "memory")
+        publish_memory_report(load_records(spec.run_dir() / "memory"))
     summary["report"] = str(write_run_report(spec.run_dir(), summary))
     return summary
 

@@ -9,17 +9,19 @@ until the flow ends). Out-of-memory inside a stage becomes `MemoryPressure`, the
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import task_run
 
 from slimtune import atomic
 from slimtune.memory import (
+    Estimate,
     GuardRecord,
+    current_attempt,
     downshift_merge,
     downshift_train,
     estimate_export,
@@ -40,12 +42,8 @@ from slimtune.tasks.load_4bit import load_4bit
 from slimtune.tasks.packed_sft import packed_sft
 
 log = logging.getLogger(__name__)
+STAGES = ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def _attempt() -> int:
-    """1 on the first try, 2 on the first retry (Prefect's run_count)."""
-    return task_run.run_count or 1
 
 
 def _device(spec: PipelineSpec) -> str:
@@ -54,23 +52,33 @@ def _device(spec: PipelineSpec) -> str:
     return str(resolve_device(spec.model.device))
 
 
-@contextlib.contextmanager
-def _guard(stage: str, spec: PipelineSpec, estimate, downshifts: list[str] | None = None) -> Iterator[None]:
-    """Run a stage under the memory guard and keep its record (published even when the stage fails)."""
+def _save_record(spec: PipelineSpec):
+    """Publish a stage's memory record and keep it on disk (the flow's memory report reads them back)."""
+    def save(record: GuardRecord) -> None:
+        publish_task_report(record)
+        atomic.write_json(spec.run_dir() / "memory" / f"{record.stage}.json", asdict(record))
+    return save
+
+
+def load_records(memory_dir: Path) -> list[GuardRecord]:
+    """The stage records saved by `_save_record`, in pipeline order."""
+    records = []
+    for stage in STAGES:
+        path = memory_dir / f"{stage}.json"
+        if path.is_file():
+            raw = json.loads(path.read_text())
+            raw["estimate"] = Estimate(**raw["estimate"]) if raw.get("estimate") else None
+            records.append(GuardRecord(**raw))
+    return records
+
+
+def _guard(stage: str, spec: PipelineSpec, estimate: Estimate | None, downshifts: tuple[str, ...] = ()):
+    """The memory guard around one stage (a null context when the spec turns the guard off)."""
     if not spec.guard.enabled:
-        yield
-        return
-    record: GuardRecord | None = None
-    try:
-        with guarded(stage, estimate=estimate if spec.guard.preflight else None, device=_device(spec),
-                     budget_fraction=spec.guard.gpu_memory_fraction, disk_path=spec.run_dir()) as record:
-            record.attempts = _attempt()
-            record.downshifts.extend(downshifts or [])
-            yield
-    finally:
-        if record is not None:
-            publish_task_report(record)
-            atomic.write_json(spec.run_dir() / "memory" / f"{stage}.json", record.to_dict())
+        return contextlib.nullcontext()
+    return guarded(stage, estimate=estimate if spec.guard.preflight else None, device=_device(spec),
+                   budget_fraction=spec.guard.gpu_memory_fraction, disk_path=spec.run_dir(),
+                   downshifts=list(downshifts), on_exit=_save_record(spec))
 
 
 def _task(name: str, run_name: str):
@@ -97,19 +105,18 @@ def attach_lora_task(spec: PipelineSpec, handle: str) -> dict:
 def packed_sft_task(spec: PipelineSpec, handle: str, checkpointing_handle: str, examples_handle: str) -> dict:
     """Train; each out-of-memory retry halves the micro-batch (doubling accumulation), then offloads."""
     shift = downshift_train(spec.train.micro_batch_size, spec.train.gradient_accumulation_steps,
-                            spec.lora.gradient_checkpointing, _attempt())
-    notes = [shift.note] if shift.note else []
-    for note in notes:
+                            spec.lora.gradient_checkpointing, current_attempt())
+    for note in shift.notes:
         log.warning("packed_sft downshift: %s", note)
     cfg = read_config(local_model_dir(spec.model))
     est = estimate_train(cfg, micro_batch=shift.micro_batch, seq_len=spec.data.max_seq_length,
                          lora_r=spec.lora.r, target_modules=spec.lora.target_modules,
                          checkpointing=shift.checkpointing)
-    with _guard("packed_sft", spec, est, notes):
+    with _guard("packed_sft", spec, est, shift.notes):
         report = packed_sft(spec, handle, checkpointing_handle, examples_handle,
                             micro_batch_size=shift.micro_batch, gradient_accumulation_steps=shift.grad_accum,
                             gradient_checkpointing=shift.checkpointing)
-        return report.to_dict()
+        return asdict(report)
 
 
 @_task("cleanup", "cleanup [{spec.name}]")
@@ -122,13 +129,14 @@ def cleanup_task(spec: PipelineSpec, baseline: dict) -> dict:
 @_task("dequant_merge", "dequant_merge [{spec.name}]")
 def dequant_merge_task(spec: PipelineSpec, adapter_dir: str) -> dict:
     """Merge tensor by tensor; each out-of-memory retry lowers maximum_memory_usage by 0.1."""
-    usage, note = downshift_merge(spec.merge.maximum_memory_usage, _attempt())
-    notes = [note] if note else []
+    shift = downshift_merge(spec.merge.maximum_memory_usage, current_attempt())
+    for note in shift.notes:
+        log.warning("dequant_merge downshift: %s", note)
     cfg = read_config(local_model_dir(spec.model))
     est = estimate_merge(cfg, max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9),
                          output_dtype_bytes=_DTYPE_BYTES.get(spec.merge.output_dtype, 2))
-    with _guard("dequant_merge", spec, est, notes):
-        return dequant_merge(spec, adapter_dir, maximum_memory_usage=usage).to_dict()
+    with _guard("dequant_merge", spec, est, shift.notes):
+        return dequant_merge(spec, adapter_dir, maximum_memory_usage=shift.maximum_memory_usage).to_dict()
 
 
 @_task("gguf_convert_and_push", "gguf_convert_and_push [{spec.name}]")

@@ -1,0 +1,32 @@
+"""Memory management: the guard every task runs under, estimates, downshifts, and checkpointing."""
+
+from slimtune.memory.checkpointing import CheckpointingHandle, enable_checkpointing
+from slimtune.memory.clean import clean_memory
+from slimtune.memory.crash import resubmit_on_crash
+from slimtune.memory.downshift import (
+    DownshiftExhausted,
+    current_attempt,
+    MergeShift,
+    TrainShift,
+    downshift_merge,
+    downshift_train,
+    retry_on_memory_pressure,
+)
+from slimtune.memory.errors import MemoryPressure, PreflightError, classify
+from slimtune.memory.estimate import (
+    Estimate,
+    estimate_export,
+    estimate_load_4bit,
+    estimate_merge,
+    estimate_train,
+)
+from slimtune.memory.guard import GuardRecord, gpu_concurrency, guarded, max_memory_with_headroom, preflight
+from slimtune.memory.report import publish_memory_report, publish_task_report
+
+__all__ = [
+    "CheckpointingHandle", "DownshiftExhausted", "Estimate", "GuardRecord", "MemoryPressure", "MergeShift",
+    "PreflightError", "TrainShift", "classify", "clean_memory", "current_attempt", "downshift_merge", "downshift_train",
+    "enable_checkpointing", "estimate_export", "estimate_load_4bit", "estimate_merge", "estimate_train",
+    "gpu_concurrency", "guarded", "max_memory_with_headroom", "preflight", "publish_memory_report",
+    "publish_task_report", "resubmit_on_crash", "retry_on_memory_pressure",
+]

@@ -1,0 +1,235 @@
+"""Gradient checkpointing of decoder layers: off, standard, or "unsloth" (recompute with the layer input
+parked in host memory).
+
+`lora.gradient_checkpointing` takes `false | true | "unsloth"`. All modes patch the `forward` of each
+decoder layer *instance* (never a class), so the module tree and state-dict keys are unchanged, peft
+saves the same adapter, and `undo()` puts back exactly what was there.
+
+Why an autograd.Function for "unsloth" and not `saved_tensors_hooks`: a Function that runs the layer
+under `no_grad` saves nothing but its input, so there is exactly one tensor to offload per layer and no
+hook runs per saved activation (a Llama layer with LoRA saves ~60 tensors). Gradients are exact: the
+backward replays the same ops on the same input with the same RNG and autocast state, and hands the
+gradients to the outer autograd engine. The layer's trainable parameters are passed as Function inputs,
+so the output requires grad even when the embeddings are frozen (no `enable_input_require_grads` hook,
+no extra gradient for the embedding output) and `torch.autograd.grad` on LoRA weights works.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from slimtune.memory.offload import ActivationOffloader, OffloadStats
+
+Mode = bool | Literal["unsloth"]
+_MISSING = object()
+_SUPPORTED = "Llama, Mistral, Qwen2, Qwen3, Gemma (decoder layers at `model.model.layers`)"
+
+
+class CheckpointingHandle(AbstractContextManager["CheckpointingHandle"]):
+    """The result of `enable_checkpointing`: what is active, what it did, and how to take it off.
+
+    Attributes:
+        mode: the mode it was enabled with.
+        offloading: True only for "unsloth" on a CUDA model, where layer inputs really go to the host.
+    """
+
+    def __init__(self, mode: Mode, offloading: bool, offloader: ActivationOffloader | None,
+                 undo_steps: list[Callable[[], None]]) -> None:
+        self.mode = mode
+        self.offloading = offloading
+        self._offloader = offloader
+        self._undo_steps = undo_steps
+
+    def stats(self) -> OffloadStats:
+        """Bytes offloaded in the last forward pass, host buffer bytes, and whether pinning failed."""
+        if self._offloader is None:
+            return OffloadStats(0, 0, False)
+        return self._offloader.stats()
+
+    def undo(self) -> None:
+        """Restore the layers, the model config and any flags exactly as they were; idempotent.
+
+        A step that refuses (a later patch sits on top of ours) stays queued, so undo() can be retried.
+        """
+        while self._undo_steps:
+            self._undo_steps[-1]()
+            self._undo_steps.pop()
+        if self._offloader is not None:
+            self._offloader.release()
+
+    def __exit__(self, *exc: object) -> None:
+        self.undo()
+
+
+def enable_checkpointing(model: nn.Module, mode: Mode) -> CheckpointingHandle:
+    """Apply `lora.gradient_checkpointing` to a PeftModel or a plain HF causal LM, in place.
+
+    Args:
+        model: the model to train; its decoder layers are found through a peft wrapper.
+        mode: False (no checkpointing), True (standard non-reentrant checkpointing of each decoder
+            layer) or "unsloth" (recompute each layer in backward, with its input kept in pinned host
+            memory on CUDA; on CPU the same recompute runs without the offload).
+
+    Returns:
+        A handle whose `undo()` restores the model; it is also a context manager.
+
+    Raises:
+        ValueError: for an unknown mode, a model whose decoder layers cannot be found, or a model
+            where checkpointing is already enabled by this function.
+    """
+    return _enable(model, mode)
+
+
+def _enable(model: nn.Module, mode: Mode, offload_min_bytes: int | None = None,
+            offload_on_cpu: bool = False) -> CheckpointingHandle:
+    """`enable_checkpointing`, with the offload threshold and a CPU offload switch open to tests."""
+    if not (mode is False or mode is True or mode == "unsloth"):
+        raise ValueError(f'lora.gradient_checkpointing must be false, true or "unsloth"; got {mode!r}')
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = _decoder_layers(base)
+    if any(getattr(layer.__dict__.get("forward"), "_slimtune_checkpointing", False) for layer in layers):
+        raise ValueError("gradient checkpointing is already enabled on this model; "
+                         "call undo() on the first handle before enabling it again")
+    undo: list[Callable[[], None]] = []
+    config = getattr(base, "config", None)
+    if config is not None and getattr(config, "use_cache", None):
+        # A KV cache built during training is pure waste, and a checkpointed layer would write it twice.
+        config.use_cache = False
+        undo.append(functools.partial(setattr, config, "use_cache", True))
+    if mode is False:
+        return CheckpointingHandle(mode, False, None, undo)
+
+    device = next((p.device for p in layers.parameters()), torch.device("cpu"))
+    offloader = None
+    if mode == "unsloth":
+        offloader = ActivationOffloader(device)
+        if offload_min_bytes is not None:
+            offloader.min_bytes = offload_min_bytes
+    offload = mode == "unsloth" and (device.type == "cuda" or offload_on_cpu)
+    for idx, layer in enumerate(layers):
+        undo.append(_patch_layer(layer, idx, idx == len(layers) - 1, mode, offloader if offload else None))
+    return CheckpointingHandle(mode, offload and device.type == "cuda", offloader, undo)
+
+
+def _decoder_layers(base: nn.Module) -> nn.ModuleList:
+    inner = getattr(base, "model", base)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"gradient checkpointing: cannot find the decoder layers of {type(base).__name__}; "
+                         f"supported: {_SUPPORTED}. Set lora.gradient_checkpointing: false for this model.")
+    return layers
+
+
+def _patch_layer(layer: nn.Module, idx: int, is_last: bool, mode: Mode,
+                 offloader: ActivationOffloader | None) -> Callable[[], None]:
+    """Replace `layer.forward` on the instance; return the function that puts it back."""
+    previous = layer.__dict__.get("forward", _MISSING)
+    inner = layer.forward  # the class forward, or an instance hook (accelerate) that we then wrap
+    # transformers' own per-layer checkpointing would nest inside ours; switch it off while we are on.
+    hf_flag = layer.__dict__.get("gradient_checkpointing", _MISSING)
+    if hf_flag is not _MISSING:
+        layer.gradient_checkpointing = False
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not (layer.training and torch.is_grad_enabled()):
+            return inner(*args, **kwargs)
+        if args:
+            hidden, rest = args[0], args[1:]
+        else:
+            hidden, rest = kwargs.pop("hidden_states"), ()
+        for name, off in (("use_cache", False), ("past_key_values", None), ("layer_past", None)):
+            if name in kwargs:
+                kwargs[name] = off  # a recomputed layer would append to a cache twice
+        run = functools.partial(_call, inner, rest, kwargs)
+        if mode is True:
+            return checkpoint(run, hidden, use_reentrant=False)
+        _check_frozen_extras(rest, kwargs, type(layer).__name__)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        return _RecomputedLayer.apply(run, offloader, idx, not is_last, hidden, *params)
+
+    forward._slimtune_checkpointing = True  # type: ignore[attr-defined]
+    layer.forward = forward
+
+    def restore() -> None:
+        if layer.__dict__.get("forward") is not forward:
+            raise RuntimeError(f"decoder layer {idx}'s forward was replaced after enable_checkpointing; "
+                               "undo that patch first (patches come off in reverse order)")
+        if previous is _MISSING:
+            del layer.forward
+        else:
+            layer.forward = previous
+        if hf_flag is not _MISSING:
+            layer.gradient_checkpointing = hf_flag
+
+    return restore
+
+
+def _call(inner: Callable[..., Any], rest: tuple[Any, ...], kwargs: dict[str, Any],
+          hidden: torch.Tensor) -> Any:
+    return inner(hidden, *rest, **kwargs)
+
+
+def _check_frozen_extras(rest: tuple[Any, ...], kwargs: dict[str, Any], layer_name: str) -> None:
+    """Only the hidden states and parameters get gradients from the Function; refuse anything else."""
+    items = [(f"argument {i + 1}", v) for i, v in enumerate(rest)] + list(kwargs.items())
+    for name, value in items:
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError(f'gradient_checkpointing "unsloth": {layer_name} input {name} requires '
+                                 "grad, which the recompute cannot propagate; "
+                                 "use gradient_checkpointing: true")
+
+
+class _RecomputedLayer(torch.autograd.Function):
+    """Run a decoder layer without saving activations; recompute it from its (offloaded) input in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[[torch.Tensor], Any], offloader: ActivationOffloader | None,
+                idx: int, offload: bool, hidden: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        device = hidden.device
+        ctx.run = run
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        # Autocast is thread-local and the backward runs on autograd's thread: carry it over by hand.
+        ctx.autocast = (device.type, torch.is_autocast_enabled(device.type),
+                        torch.get_autocast_dtype(device.type), torch.is_autocast_cache_enabled())
+        ctx.offloader = offloader
+        if offloader is not None:
+            ctx.slot = offloader.save(hidden, idx, offload)
+        else:
+            ctx.hidden = hidden
+        ctx.save_for_backward(*params)
+        out = run(hidden)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"gradient_checkpointing \"unsloth\" expects decoder layers to return a tensor, "
+                            f"got {type(out).__name__}; use gradient_checkpointing: true for this model")
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        params = ctx.saved_tensors
+        if ctx.offloader is not None:
+            saved = ctx.offloader.load(ctx.slot)
+        else:
+            saved, ctx.hidden = ctx.hidden, None
+        hidden = saved.detach().requires_grad_(ctx.needs_input_grad[4])
+        device_type, enabled, dtype, cache = ctx.autocast
+        cuda = [hidden.device] if ctx.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"), torch.enable_grad(), \
+                torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+            # Same RNG as the forward, so dropout draws the same masks; fork_rng puts the outer state back.
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
+            out = ctx.run(hidden)
+        inputs = ([hidden] if hidden.requires_grad else []) + list(params)
+        grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
+        hidden_grad = grads.pop(0) if hidden.requires_grad else None
+        return (None, None, None, None, hidden_grad, *grads)

@@ -1,0 +1,385 @@
+"""Memory estimates for each stage, from a Hugging Face `config.json` dict and plain numbers.
+
+The estimates exist so a run fails in one second with advice instead of after twenty minutes of
+loading. They count what dominates (weights, LoRA and optimizer state, saved activations, logits)
+and are calibrated against the reference table in DESIGN.md (Llama-3.1-8B shape, seq 2048 on an
+H100); see the comments next to each term.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+_GIB = 1024**3
+
+# A Python + torch + CUDA process is resident in host memory before any model byte: the CUDA
+# runtime, cuBLAS/cuDNN and torch's libraries map ~1.5-2.5 GiB of RSS on Linux.
+_PROCESS_HOST_BYTES = 2 * _GIB
+# The caching allocator rounds blocks up and fragments, so reserved memory exceeds the tensors
+# alive; GPU estimates carry 10% on top of what they count. With it, every reference-table row is
+# under its estimate (tests/test_memory_estimate.py).
+_ALLOCATOR_SLACK = 0.10
+# Chunked cross-entropy (Liger/Unsloth style) materialises logits for this many tokens at a time.
+_LOGITS_CHUNK_TOKENS = 1024
+# bitsandbytes 4-bit blocks: 64 weights share one absmax; with double quantisation 256 absmax
+# values share one float32 second-level absmax, and each layer keeps a 256-entry float32 code.
+_NF4_BLOCK = 64
+_NESTED_BLOCK = 256
+
+# GGUF storage per weight, in bytes: type sizes from ggml (block bytes / block elements); k-quant
+# "_m" mixes use the average bits per weight llama.cpp reports for Llama models.
+_GGUF_BYTES_PER_WEIGHT = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q6_k": 210 / 256,
+    "q5_k_m": 5.69 / 8,
+    "q5_1": 24 / 32,
+    "q5_0": 22 / 32,
+    "q4_k_m": 4.85 / 8,
+    "q4_1": 20 / 32,
+    "q4_0": 18 / 32,
+    "q3_k_m": 3.91 / 8,
+    "q2_k": 2.63 / 8,
+}
+_KQUANTS_NEED_F16 = ("q6_k", "q5_k_m", "q4_k_m", "q3_k_m", "q2_k")
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes a stage needs, per resource, with the terms behind them and the spec field to change."""
+
+    gpu_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    breakdown: dict[str, int] = field(default_factory=dict)
+    fields: dict[str, str] = field(default_factory=dict)
+
+    def top_terms(self, prefix: str, n: int = 3) -> str:
+        """The largest `n` breakdown terms for one resource, in GiB, for error messages."""
+        terms = sorted(
+            ((k.removeprefix(prefix), v) for k, v in self.breakdown.items() if k.startswith(prefix)),
+            key=lambda kv: -kv[1],
+        )
+        return ", ".join(f"{k} {v / _GIB:.2f} GiB" for k, v in terms[:n])
+
+
+@dataclass(frozen=True)
+class _Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear in one decoder layer."""
+        h, i = self.hidden, self.intermediate
+        return {
+            "q_proj": (h, self.q_dim),
+            "k_proj": (h, self.kv_dim),
+            "v_proj": (h, self.kv_dim),
+            "o_proj": (self.q_dim, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def linear_weights_per_layer(self) -> int:
+        return sum(a * b for a, b in self.projections().values())
+
+    def embedding_weights(self) -> int:
+        """Input embeddings plus an untied lm_head; both stay 16-bit under bitsandbytes."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    def small_weights(self) -> int:
+        """Norms and biases: never quantised, negligible for large models but exact for tiny ones."""
+        per_layer = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+        return self.layers * per_layer + self.hidden
+
+    def total_weights(self) -> int:
+        return self.layers * self.linear_weights_per_layer() + self.embedding_weights() + self.small_weights()
+
+
+# model_type -> (ties embeddings by default, bias on q/k/v, RMSNorm on q and k)
+_FAMILY_DEFAULTS = {
+    "llama": (False, False, False),
+    "mistral": (False, False, False),
+    "qwen2": (False, True, False),
+    "qwen3": (False, False, True),
+    "gemma": (True, False, False),
+    "gemma2": (True, False, False),
+    "gemma3_text": (True, False, True),
+}
+
+
+def _shape(cfg: dict[str, Any]) -> _Shape:
+    """Read the dimensions that matter from a config dict; multimodal configs nest `text_config`."""
+    text = {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
+    missing = [
+        k
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "vocab_size",
+        )
+        if k not in text
+    ]
+    if missing:
+        raise ValueError(
+            f"config.json lacks {', '.join(missing)}; memory estimates support Llama, Mistral, Qwen2, "
+            "Qwen3 and Gemma configs"
+        )
+    model_type = str(text.get("model_type", "llama"))
+    tied_default, qkv_bias, qk_norm = _FAMILY_DEFAULTS.get(model_type, (False, False, False))
+    heads = int(text["num_attention_heads"])
+    hidden = int(text["hidden_size"])
+    return _Shape(
+        hidden=hidden,
+        intermediate=int(text["intermediate_size"]),
+        layers=int(text["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=int(text.get("head_dim") or hidden // heads),
+        vocab=int(text["vocab_size"]),
+        tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", tied_default))),
+        qkv_bias=bool(text.get("attention_bias", qkv_bias)),
+        qk_norm=qk_norm,
+    )
+
+
+def _nf4_bytes(n: int, double_quant: bool) -> int:
+    """Bytes bitsandbytes stores for one 4-bit linear of `n` weights (packed data + quant state)."""
+    blocks = math.ceil(n / _NF4_BLOCK)
+    code = 16 * 4  # the NF4 lookup table, float32
+    if not double_quant:
+        return n // 2 + blocks * 4 + code
+    nested = math.ceil(blocks / _NESTED_BLOCK)
+    return n // 2 + blocks + nested * 4 + _NESTED_BLOCK * 4 + code
+
+
+def _nf4_weights(shape: _Shape, dtype_bytes: int, double_quant: bool) -> dict[str, int]:
+    per_layer = sum(_nf4_bytes(a * b, double_quant) for a, b in shape.projections().values())
+    return {
+        "nf4 linears": shape.layers * per_layer,
+        "embeddings and lm_head": shape.embedding_weights() * dtype_bytes,
+        "norms and biases": shape.small_weights() * dtype_bytes,
+    }
+
+
+def _with_slack(terms: dict[str, int]) -> dict[str, int]:
+    return {**terms, "allocator slack": int(sum(terms.values()) * _ALLOCATOR_SLACK)}
+
+
+def _prefixed(prefix: str, terms: dict[str, int]) -> dict[str, int]:
+    return {f"{prefix}{k}": v for k, v in terms.items()}
+
+
+def _estimate(
+    gpu: dict[str, int], host: dict[str, int], disk: dict[str, int], fields: dict[str, str]
+) -> Estimate:
+    return Estimate(
+        gpu_bytes=sum(gpu.values()),
+        host_bytes=sum(host.values()),
+        disk_bytes=sum(disk.values()),
+        breakdown={**_prefixed("gpu: ", gpu), **_prefixed("host: ", host), **_prefixed("disk: ", disk)},
+        fields=fields,
+    )
+
+
+def estimate_load_4bit(
+    cfg: dict[str, Any], compute_dtype_bytes: int, *, double_quant: bool = True
+) -> Estimate:
+    """Memory to hold the model in NF4 with 16-bit embeddings, lm_head and norms.
+
+    Llama-3.1-8B: 224 linears of 6.98e9 weights at 0.516 bytes (3.60 GB) plus 2 x 1.05 GB of
+    bf16 embeddings/lm_head = 5.7 GB. Loading quantises one tensor at a time, so the transient is
+    the largest 16-bit tensor (the embedding matrix for most vocabularies).
+    """
+    shape = _shape(cfg)
+    gpu = _nf4_weights(shape, compute_dtype_bytes, double_quant)
+    largest = max([a * b for a, b in shape.projections().values()] + [shape.vocab * shape.hidden])
+    gpu["load transient (largest 16-bit tensor)"] = largest * compute_dtype_bytes
+    host = {"process and CUDA libraries": _PROCESS_HOST_BYTES, "loader copy of one tensor": largest * 4}
+    fields = {
+        "gpu": "model.name (a smaller model) or the budget fraction",
+        "host": "host memory (a larger machine)",
+    }
+    return _estimate(_with_slack(gpu), host, {}, fields)
+
+
+def _targets(shape: _Shape, target_modules: list[str] | tuple[str, ...] | str) -> list[str]:
+    projections = shape.projections()
+    if target_modules == "all-linear":
+        return list(projections)
+    unknown = [t for t in target_modules if t not in projections]
+    if unknown or isinstance(target_modules, str):
+        raise ValueError(
+            f"lora.target_modules is {target_modules!r}, which these estimates do not know; "
+            f"use names from {list(_PROJECTIONS)} or 'all-linear'"
+        )
+    return list(dict.fromkeys(target_modules))
+
+
+def _activation_bytes_per_token_layer(
+    shape: _Shape, dtype_bytes: int, targets: list[str], lora_r: int
+) -> int:
+    """Bytes autograd keeps per token for one decoder layer of a QLoRA model without checkpointing.
+
+    Counted from what each op saves for backward under bf16 autocast with float32 adapters (peft's
+    default), LoRA dropout 0 and SDPA with native GQA, and checked against saved-tensor hooks on a
+    tiny Llama (tests/test_memory_estimate.py):
+    - every LoRA module keeps its own 16-bit copy of its input (autocast casts peft's float32 view
+      of the input back down for the matmul), plus its rank-r intermediate;
+    - SDPA keeps RoPE'd q, k, v and its output (2 q_dim + 2 kv_dim);
+    - the MLP keeps gate, SiLU(gate) and up (3 i); the frozen NF4 matmuls keep only their weights;
+    - each of the two RMSNorms keeps a float32 copy of its input (2 x 4 h bytes).
+    Llama-3.1-8B, all seven projections: 212 KiB per token-layer; with logits that predicts
+    8.5 MB per token without checkpointing where the reference table measured 7.55 (+12%), and
+    2.0 MB with checkpointing where it measured 2.07.
+    """
+    projections = shape.projections()
+    lora_inputs = sum(projections[t][0] + lora_r for t in targets)
+    elements = 3 * shape.intermediate + 2 * shape.q_dim + 2 * shape.kv_dim + lora_inputs
+    return elements * dtype_bytes + 2 * 4 * shape.hidden
+
+
+def estimate_train(
+    cfg: dict[str, Any],
+    *,
+    micro_batch: int,
+    seq_len: int,
+    lora_r: int,
+    target_modules: list[str] | tuple[str, ...] | str,
+    checkpointing: bool | str,
+    optimizer_bytes_per_param: int = 8,
+    logits_chunked: bool = False,
+    compute_dtype_bytes: int = 2,
+    double_quant: bool = True,
+) -> Estimate:
+    """Memory for one QLoRA training step at `micro_batch` x `seq_len` tokens.
+
+    `checkpointing`: False keeps every layer's activations; True (or "standard") keeps each
+    layer's input and recomputes one layer at a time; "unsloth"/"offload" moves the layer inputs
+    to pinned host memory. LoRA weights and gradients are float32 (peft upcasts adapters on
+    quantised bases); `optimizer_bytes_per_param` is 8 for AdamW's two float32 moments, 2 for 8-bit.
+    """
+    shape = _shape(cfg)
+    tokens = micro_batch * seq_len
+    gpu = _nf4_weights(shape, compute_dtype_bytes, double_quant)
+    targets = _targets(shape, target_modules)
+    projections = shape.projections()
+    lora = shape.layers * sum(lora_r * (projections[t][0] + projections[t][1]) for t in targets)
+    gpu["lora weights and grads (fp32)"] = lora * 8
+    gpu["optimizer state"] = lora * optimizer_bytes_per_param
+
+    per_layer = _activation_bytes_per_token_layer(shape, compute_dtype_bytes, targets, lora_r)
+    layer_input = shape.hidden * compute_dtype_bytes
+    host = {"process and CUDA libraries": _PROCESS_HOST_BYTES}
+    mode = "standard" if checkpointing is True else (checkpointing or "none")
+    if mode == "none":
+        gpu["activations (no checkpointing)"] = tokens * shape.layers * per_layer
+    elif mode == "standard":
+        gpu["checkpointed layer inputs"] = tokens * shape.layers * layer_input
+        gpu["activations of one recomputed layer"] = tokens * per_layer
+    elif mode in ("unsloth", "offload"):
+        # Two layer inputs stay on the GPU while copies to and from host overlap with compute.
+        gpu["layer inputs in flight"] = tokens * 2 * layer_input
+        gpu["activations of one recomputed layer"] = tokens * per_layer
+        host["offloaded layer inputs (pinned)"] = tokens * shape.layers * layer_input
+    else:
+        raise ValueError(
+            f"lora.gradient_checkpointing is {checkpointing!r}; use false, true, 'standard' or 'unsloth'"
+        )
+
+    # Logits per token: the bf16 lm_head output, its float32 upcast in the loss, the saved
+    # log-softmax, and its float32 gradient at the start of backward (2 + 4 + 4 + 4 bytes, minus
+    # the upcast freed before the gradient exists = 12). Llama-3 vocab: 1.5 MB per token.
+    logit_tokens = min(tokens, _LOGITS_CHUNK_TOKENS) if logits_chunked else tokens
+    gpu["logits and loss"] = logit_tokens * shape.vocab * 12
+    checkpoint = lora * (4 + optimizer_bytes_per_param)
+    # A resumable checkpoint is written beside the previous one before that one is removed.
+    disk = {"adapter and optimizer checkpoints (2 kept while writing)": 2 * checkpoint}
+    fields = {
+        "gpu": "train.micro_batch_size (with train.gradient_accumulation_steps), train.max_seq_length "
+        "or lora.gradient_checkpointing",
+        "host": "lora.gradient_checkpointing (offloading keeps layer inputs in host memory)",
+        "disk": "train.output_dir (a disk with more space)",
+    }
+    return _estimate(_with_slack(gpu), host, disk, fields)
+
+
+def estimate_merge(cfg: dict[str, Any], *, max_shard_bytes: int, output_dtype_bytes: int) -> Estimate:
+    """Memory for a layer-by-layer dequantise + merge that writes `max_shard_bytes` shards.
+
+    The GPU holds one decoder layer dequantised in the output dtype and the largest matrix in
+    float32 for the `addmm_` of the LoRA update; host memory buffers one shard before it is
+    written; disk receives the whole model in the output dtype.
+    """
+    shape = _shape(cfg)
+    largest = max(a * b for a, b in shape.projections().values())
+    gpu = {
+        "one layer dequantised": shape.linear_weights_per_layer() * output_dtype_bytes,
+        "largest matrix in fp32 for the merge": largest * 4,
+    }
+    full = shape.total_weights() * output_dtype_bytes
+    host = {
+        "process and CUDA libraries": _PROCESS_HOST_BYTES,
+        "one shard buffered": min(max_shard_bytes, full),
+        "embeddings in output dtype": shape.embedding_weights() * output_dtype_bytes,
+    }
+    disk = {"merged model": full}
+    fields = {
+        "gpu": "merge.maximum_memory_usage",
+        "host": "merge.max_shard_size or merge.maximum_memory_usage",
+        "disk": "merge.output_dir (a disk with more space)",
+    }
+    return _estimate(_with_slack(gpu), host, disk, fields)
+
+
+def estimate_export(cfg: dict[str, Any], *, out_types: list[str] | tuple[str, ...]) -> Estimate:
+    """Disk and host memory to write GGUF files of `out_types` and load the largest one to verify.
+
+    K-quants are made from an f16 GGUF, so that intermediate file counts too. llama.cpp maps the
+    file it verifies, so host memory holds the largest output plus one float32 tensor in flight.
+    """
+    shape = _shape(cfg)
+    unknown = [t for t in out_types if t.lower() not in _GGUF_BYTES_PER_WEIGHT]
+    if unknown:
+        raise ValueError(f"gguf.out_types has {unknown}; supported: {sorted(_GGUF_BYTES_PER_WEIGHT)}")
+    weights = shape.total_weights()
+    sizes = {t.lower(): int(weights * _GGUF_BYTES_PER_WEIGHT[t.lower()]) for t in out_types}
+    disk = {f"{t}.gguf": size for t, size in sizes.items()}
+    if any(t in _KQUANTS_NEED_F16 for t in sizes) and "f16" not in sizes:
+        disk["f16 intermediate for k-quants"] = weights * 2
+    host = {
+        "process and CUDA libraries": _PROCESS_HOST_BYTES,
+        "largest gguf mapped for verification": max(sizes.values(), default=0),
+        "one tensor in fp32": shape.vocab * shape.hidden * 4,
+    }
+    fields = {
+        "host": "gguf.out_types (verify fewer or smaller types)",
+        "disk": "gguf.out_types or gguf.output_dir",
+    }
+    return _estimate({}, host, disk, fields)

@@ -1,0 +1,259 @@
+"""The memory guard every stage runs under: preflight, budget, watch, classify, clean.
+
+    with guarded("packed_sft", estimate=est, device="cuda:0", budget_fraction=0.9) as record:
+        train(...)
+
+A memory failure inside the block leaves as `MemoryPressure` (the original kept as `__cause__`),
+which `retry_on_memory_pressure` retries with a downshift; any other error passes unchanged.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from slimtune.memory.clean import clean_memory
+from slimtune.memory.downshift import current_attempt
+from slimtune.memory.errors import PreflightError, classify, memory_state, to_memory_pressure
+from slimtune.memory.estimate import Estimate
+from slimtune.memory.sampler import PeakSampler
+
+_GIB = 1024**3
+# bitsandbytes/accelerate place weights up to `max_memory`; the 10% kept back absorbs the
+# quantisation transients and the CUDA context growth that loading triggers.
+_LOAD_HEADROOM = 0.90
+
+
+@dataclass
+class GuardRecord:
+    """What one guarded attempt of a stage needed and used; all sizes in bytes."""
+
+    stage: str
+    estimate: Estimate | None
+    budget: int | None
+    peak_gpu_allocated: int | None = None
+    peak_gpu_reserved: int | None = None
+    peak_device_used: int | None = None
+    peak_host_rss: int = 0
+    attempts: int = 1
+    downshifts: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    outcome: str = "running"
+    sampler_overhead: float = 0.0
+
+
+def _free_disk(path: Path) -> int:
+    # The output directory may not exist yet; its nearest existing parent is on the same disk.
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def _shortfall(stage: str, resource: str, need: int, free: int, where: str, terms: str, field_: str) -> str:
+    label = f"{stage}: " if stage else ""
+    return (
+        f"{label}not enough {resource}: the estimate is {need / _GIB:.2f} GiB ({terms}) but only "
+        f"{free / _GIB:.2f} GiB is free {where}. Lower it with {field_}."
+    )
+
+
+def _gpu_free(dev: torch.device, budget_bytes: int | None) -> tuple[int, str]:
+    free, _total = torch.cuda.mem_get_info(dev)
+    if budget_bytes is not None:
+        # The per-process cap counts this process's reserved blocks, not what the device has free.
+        left = max(budget_bytes - torch.cuda.memory_reserved(dev), 0)
+        if left < free:
+            return left, f"in the {budget_bytes / _GIB:.2f} GiB budget on {dev}"
+    return free, f"on {dev}"
+
+
+def preflight(
+    est: Estimate,
+    *,
+    device: str,
+    disk_path: Path | None,
+    budget_bytes: int | None = None,
+    stage: str = "",
+) -> None:
+    """Fail before allocating when an estimate exceeds what is free.
+
+    On a CPU device the GPU terms (weights, activations) live in host memory, so they are added to
+    the host estimate. With `budget_bytes` the GPU check uses the smaller of the device's free
+    memory and what is left of the budget.
+
+    Raises:
+        PreflightError: naming the resource, the estimate, what is free, and the spec field to change.
+    """
+    dev = torch.device(device)
+    gpu_field, host_field = est.fields.get("gpu"), est.fields.get("host")
+    # (resource, need, free, where, largest terms, spec field)
+    checks: list[tuple[str, int, int, str, str, str]] = []
+    if dev.type == "cuda":
+        free, where = _gpu_free(dev, budget_bytes)
+        checks.append(
+            ("GPU memory", est.gpu_bytes, free, where, est.top_terms("gpu: "), gpu_field or "the budget")
+        )
+        host_need, host_terms = est.host_bytes, est.top_terms("host: ")
+    else:
+        host_need = est.host_bytes + est.gpu_bytes
+        host_terms = ", ".join(t for t in (est.top_terms("gpu: "), est.top_terms("host: ")) if t)
+        host_field = " or ".join(dict.fromkeys(f for f in (gpu_field, host_field) if f))
+    available = psutil.virtual_memory().available
+    checks.append(
+        ("host memory", host_need, available, "(psutil available)", host_terms, host_field or "host memory")
+    )
+    if disk_path is not None and est.disk_bytes > 0:
+        checks.append(
+            (
+                "disk space",
+                est.disk_bytes,
+                _free_disk(Path(disk_path)),
+                f"under {disk_path}",
+                est.top_terms("disk: "),
+                est.fields.get("disk", "the output directory"),
+            )
+        )
+    problems = [_shortfall(stage, *check) for check in checks if check[1] > check[2]]
+    if problems:
+        raise PreflightError("\n".join(problems))
+
+
+def max_memory_with_headroom(device: str) -> dict[int | str, int]:
+    """`max_memory` for `from_pretrained`: free memory x 0.90 on the device and on the host."""
+    dev = torch.device(device)
+    limits: dict[int | str, int] = {"cpu": int(psutil.virtual_memory().available * _LOAD_HEADROOM)}
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        limits[dev.index if dev.index is not None else torch.cuda.current_device()] = int(
+            free * _LOAD_HEADROOM
+        )
+    return limits
+
+
+@contextmanager
+def _budget(dev: torch.device, fraction: float | None) -> Iterator[int | None]:
+    """Cap this process's CUDA allocations at `fraction` of the device, restoring the old cap after."""
+    if fraction is None or dev.type != "cuda":
+        yield None
+        return
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"memory budget fraction is {fraction}; use a value in (0, 1]")
+    previous = torch.cuda.get_per_process_memory_fraction(dev)
+    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+    try:
+        yield int(torch.cuda.get_device_properties(dev).total_memory * fraction)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(previous, dev)
+
+
+@contextmanager
+def guarded(
+    stage: str,
+    *,
+    estimate: Estimate | None,
+    device: str,
+    budget_fraction: float | None = None,
+    disk_path: Path | None = None,
+    sample_interval_s: float = 0.05,
+    attempt: int | None = None,
+    downshifts: list[str] | None = None,
+    on_exit: Callable[[GuardRecord], None] | None = None,
+) -> Iterator[GuardRecord]:
+    """Run a stage under the memory guard and yield its `GuardRecord`.
+
+    Args:
+        stage: Name used in errors, logs and artifact keys.
+        estimate: What the stage needs; checked by `preflight` before the body runs (None skips it).
+        device: "cpu", "cuda" or "cuda:N".
+        budget_fraction: Cap on this process's share of the GPU, so the stage fails inside its
+            budget instead of starving other processes.
+        disk_path: Where the stage writes, for the disk check.
+        sample_interval_s: Sampler period; 50 ms costs well under 1% (see sampler.py).
+        attempt: Attempt number for the record; defaults to Prefect's task run count (1 outside Prefect).
+        downshifts: Notes of the downshifts applied to reach this attempt, copied into the record.
+        on_exit: Called with the finished record, also when the body raised (e.g. publish a report).
+
+    Raises:
+        PreflightError: The estimate exceeds what is free; nothing was allocated.
+        MemoryPressure: The body ran out of memory; the original error is its `__cause__`.
+    """
+    dev = torch.device(device)
+    record = GuardRecord(
+        stage=stage,
+        estimate=estimate,
+        budget=None,
+        attempts=attempt if attempt is not None else current_attempt(),
+        downshifts=list(downshifts or []),
+    )
+    started = time.perf_counter()
+    clean_memory()
+    try:
+        with _budget(dev, budget_fraction) as budget:
+            record.budget = budget
+            if estimate is not None:
+                preflight(estimate, device=device, disk_path=disk_path, budget_bytes=budget, stage=stage)
+            sampler = PeakSampler(device, sample_interval_s)
+            try:
+                with sampler:
+                    yield record
+            finally:
+                record.peak_gpu_allocated = sampler.peak_gpu_allocated
+                record.peak_gpu_reserved = sampler.peak_gpu_reserved
+                record.peak_device_used = sampler.peak_device_used
+                record.peak_host_rss = sampler.peak_host_rss
+                record.sampler_overhead = sampler.overhead
+        record.outcome = "completed"
+    except PreflightError:
+        record.outcome = "preflight failed"
+        raise
+    except BaseException as exc:
+        if not classify(exc):
+            record.outcome = f"failed: {type(exc).__name__}"
+            raise
+        record.outcome = "out of memory"
+        # Snapshot before cleaning, so the error shows the pressure and not the recovered state.
+        pressure = to_memory_pressure(exc, stage, memory_state(device))
+        pressure.record = record
+        # Finished frames of the traceback (forward, loss) still hold the body's tensors, and Prefect
+        # keeps the exception in the failed state; clearing their locals lets the cleanup below
+        # free them. The frame that entered this guard is still running, so
+        # `retry_on_memory_pressure` clears it once the task has returned. Code lines stay.
+        traceback.clear_frames(exc.__traceback__)
+        if pressure is exc:
+            raise
+        raise pressure from exc
+    finally:
+        clean_memory()
+        record.seconds = time.perf_counter() - started
+        if on_exit is not None:
+            on_exit(record)
+
+
+@contextmanager
+def gpu_concurrency(slot: str = "gpu") -> Iterator[None]:
+    """Hold one slot of the Prefect global concurrency limit `slot` while a stage uses the GPU.
+
+    Create the limit once per server with `prefect gcl create gpu --limit 1`, so two flow runs on
+    one machine never share the GPU. Without a limit of that name Prefect proceeds without waiting
+    (strict=False), and outside a Prefect run with no PREFECT_API_URL this is a no-op rather than
+    starting a temporary server just to count slots.
+    """
+    from prefect.context import FlowRunContext, TaskRunContext
+    from prefect.settings import PREFECT_API_URL
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None and not PREFECT_API_URL.value():
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    with concurrency(slot, occupy=1, strict=False):
+        yield

@@ -1,0 +1,108 @@
+"""gguf_convert_and_push: GGUF files from the merged model, verified in llama.cpp, pushed in one commit."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from slimtune import atomic
+from slimtune.export import (
+    convert_hf_to_gguf,
+    llama_cpp_available,
+    needs_llama_cpp,
+    push_folder,
+    quantize_gguf,
+    render_model_card,
+    render_modelfile,
+    resolve_token,
+    verify_gguf,
+)
+from slimtune.spec import PipelineSpec
+
+log = logging.getLogger(__name__)
+# Fixed verification prompts: plain text, digits, punctuation and a chat turn, so that tokenizer and
+# logits differences between the merged model and the GGUF show up.
+VERIFY_PROMPTS = [
+    "The capital of France is Paris.",
+    "<|im_start|>user\nWhat is 12 plus 30?<|im_end|>\n<|im_start|>assistant\n",
+    "Spell the word 'garden' backwards: nedrag!",
+]
+
+
+@dataclass
+class ExportResult:
+    """The GGUF files written (name -> bytes), their verification, and the push (if any)."""
+
+    files: dict[str, int]
+    verification: dict[str, dict] = field(default_factory=dict)
+    pushed: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _convert(spec: PipelineSpec, merged_dir: Path, out_dir: Path) -> list[Path]:
+    """Write one GGUF per requested type; k-quants are made by llama.cpp from an f16 intermediate."""
+    split = int(spec.export.split_max_size_gb * 1e9) if spec.export.split_max_size_gb else None
+    written: list[Path] = []
+    f16_intermediate: Path | None = None
+    for method in spec.export.gguf:
+        target = out_dir / f"{spec.name}-{method}.gguf"
+        if not needs_llama_cpp(method):
+            written += convert_hf_to_gguf(merged_dir, target, method, split_max_bytes=split)
+            continue
+        if f16_intermediate is None:
+            f16_intermediate = out_dir / f".{spec.name}-f16-intermediate.gguf"
+            convert_hf_to_gguf(merged_dir, f16_intermediate, "f16")
+        written.append(quantize_gguf(f16_intermediate, target, method))
+    if f16_intermediate is not None:
+        f16_intermediate.unlink(missing_ok=True)
+    return written
+
+
+def _card(spec: PipelineSpec, merged_dir: Path, files: list[Path], summary: dict) -> tuple[str, str]:
+    tok_cfg = json.loads((merged_dir / "tokenizer_config.json").read_text()) \
+        if (merged_dir / "tokenizer_config.json").exists() else {}
+    template = tok_cfg.get("chat_template")
+    if template is None and (merged_dir / "chat_template.jinja").exists():
+        template = (merged_dir / "chat_template.jinja").read_text()
+    quants = [{"file": f.name, "method": f.stem.rsplit("-", 1)[-1], "size_bytes": f.stat().st_size} for f in files]
+    lora = {k: summary["spec"]["lora"][k] for k in ("r", "alpha", "dropout", "target_modules", "use_rslora")}
+    card = render_model_card(repo_id=spec.export.push.repo_id if spec.export.push else f"local/{spec.name}",
+                             base_model=spec.model.name_or_path, quants=quants, dataset=spec.data.path,
+                             lora=lora, metrics=summary.get("train"))
+    eos = tok_cfg.get("eos_token")
+    modelfile = render_modelfile(files[0].name, template, eos_token=eos if isinstance(eos, str) else None)
+    return card, modelfile
+
+
+def gguf_convert_and_push(spec: PipelineSpec, merged_dir: Path, adapter_dir: Path, summary: dict) -> ExportResult:
+    """Convert, verify each file against the merged model, write card + Modelfile, push if asked."""
+    out_dir = spec.run_dir() / "gguf"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = _convert(spec, merged_dir, out_dir)
+    result = ExportResult(files={f.name: f.stat().st_size for f in files})
+    if spec.export.verify:
+        for f in files:
+            if not llama_cpp_available():
+                result.verification[f.name] = {"skipped": "llama-cpp-python is not installed "
+                                               "(pip install 'slimtune[llama-cpp]')"}
+                continue
+            result.verification[f.name] = verify_gguf(f, merged_dir, VERIFY_PROMPTS)
+            log.info("verified %s: %s", f.name, result.verification[f.name])
+    card, modelfile = _card(spec, merged_dir, files, summary)
+    atomic.write_text(out_dir / "README.md", card)
+    atomic.write_text(out_dir / "Modelfile", modelfile)
+    push = spec.export.push
+    if push is not None:
+        upload = {f.name: f for f in files} | {"README.md": out_dir / "README.md", "Modelfile": out_dir / "Modelfile"}
+        if push.include_adapter:
+            upload |= {f"adapter/{p.name}": p for p in adapter_dir.iterdir() if p.is_file()}
+        if push.include_merged:
+            upload |= {f"merged/{p.name}": p for p in merged_dir.iterdir() if p.is_file()}
+        pushed = push_folder(upload, push.repo_id, private=push.private, revision=push.revision,
+                             token=resolve_token(), commit_message=f"slimtune: {spec.name}")
+        result.pushed = asdict(pushed)
+    return result
