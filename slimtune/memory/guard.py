@@ -147,6 +147,8 @@ def _budget(dev: torch.device, fraction: float | None) -> Iterator[int | None]:
         return
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"memory budget fraction is {fraction}; use a value in (0, 1]")
+    if dev.index is None:  # "cuda" means the current device; the fraction API wants an index
+        dev = torch.device("cuda", torch.cuda.current_device())
     previous = torch.cuda.get_per_process_memory_fraction(dev)
     torch.cuda.set_per_process_memory_fraction(fraction, dev)
     try:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from slimtune.device import resolve_device
+from slimtune.device import resolve_compute_dtype, resolve_device
 from slimtune.merge import MergeReport, merge_adapter
 from slimtune.model_source import local_model_dir
 from slimtune.spec import PipelineSpec
@@ -21,7 +21,12 @@ def dequant_merge(spec: PipelineSpec, adapter_dir: str, *, maximum_memory_usage:
     run_dir = spec.run_dir()
     tmp = Path(spec.merge.temporary_location).expanduser() if spec.merge.temporary_location else run_dir / "spill"
     dtype = None if spec.merge.output_dtype == "auto" else getattr(torch, spec.merge.output_dtype)
+    device = resolve_device(spec.model.device)
+    # NF4 weights are rebuilt from the 16-bit base exactly as load_4bit quantized them, which depends on
+    # the dtype the base was loaded in: quantizing from fp32 instead of bf16 gives different weights.
+    trained_dtype = resolve_compute_dtype(spec.model.compute_dtype, device)
     return merge_adapter(
         local_model_dir(spec.model), Path(adapter_dir), run_dir / "merged", source=spec.merge.source,
         maximum_memory_usage=maximum_memory_usage, temporary_location=tmp, output_dtype=dtype,
-        max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9), device=str(resolve_device(spec.model.device)))
+        max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9), device=str(device),
+        quant={"dtype": trained_dtype})

@@ -1,0 +1,406 @@
+"""Shared pieces of the benchmark suite: model shapes, random NF4 + LoRA models, timing, memory, rows.
+
+Everything heavy (transformers, peft, bitsandbytes) is imported inside functions: the Unsloth worker must
+import `unsloth` before transformers or its patches are skipped, and it imports this module first.
+Nothing here downloads: configs are written out from the public model cards and weights are random.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+GiB = 1024**3
+# hf_gc: HF + peft + bitsandbytes with checkpointing (the baseline of every ratio); hf_nogc: without;
+# liger: hf_gc + liger-kernel; unsloth: Unsloth; ours: slimtune. Also the order of every table.
+CONFIGS = ("hf_gc", "hf_nogc", "liger", "unsloth", "ours")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_RANK = 16
+SEED = 0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's architecture with no weights: enough to build it at random."""
+
+    key: str
+    name: str  # the public model whose config.json this mirrors
+    family: str  # transformers model_type
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+_LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+MODEL_SHAPES: dict[str, ModelShape] = {
+    "1b": ModelShape("1b", "Llama-3.2-1B", "llama", dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+        tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
+        rope_parameters={**_LLAMA3_ROPE, "factor": 32.0})),
+    "8b": ModelShape("8b", "Llama-3.1-8B", "llama", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
+        rope_parameters={**_LLAMA3_ROPE, "factor": 8.0})),
+    "qwen7b": ModelShape("qwen7b", "Qwen2.5-7B", "qwen2", dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072, tie_word_embeddings=False,
+        rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643, use_sliding_window=False,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    # CPU smoke tests only: every code path of the real shapes (GQA, untied head) at toy size.
+    "tiny": ModelShape("tiny", "tiny-llama", "llama", dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=1024, max_position_embeddings=512,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+}
+
+
+def build_config(shape: ModelShape):
+    """The transformers config for `shape`, without a KV cache (training)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(shape.family, **shape.config)
+    cfg.use_cache = False
+    return cfg
+
+
+def build_random_model(shape: ModelShape, device: str, dtype: torch.dtype = torch.bfloat16,
+                       seed: int = SEED) -> torch.nn.Module:
+    """Allocate and initialise the model directly on `device` in `dtype` (no host copy: an 8B model in
+    bf16 is 16 GB, which would otherwise pass through host RAM)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(build_config(shape), dtype=dtype,
+                                                     attn_implementation="sdpa")
+    finally:
+        torch.set_default_dtype(previous)
+    return model
+
+
+def quantize_nf4_(model: torch.nn.Module) -> int:
+    """Replace every nn.Linear except lm_head by a bitsandbytes NF4 Linear4bit (double quant), in place.
+
+    Same result as `from_pretrained(quantization_config=BitsAndBytesConfig(nf4, double quant))` without
+    the save/load round trip: the 8B shape quantizes in ~0.2 s on an H100 instead of a 16 GB disk trip.
+    Returns the number of layers replaced.
+    """
+    import bitsandbytes as bnb
+
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or name == "lm_head":
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                  quant_storage=torch.uint8, device="meta")
+            weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
+                                       quant_type="nf4", quant_storage=torch.uint8, module=q)
+            q.weight = weight.to(child.weight.device)  # .to() on an unquantized Params4bit quantizes it
+            if child.bias is not None:
+                q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, q)
+            replaced += 1
+    # peft dispatches its bnb LoRA layer only when the model says it is 4-bit (what HF's quantizer sets).
+    model.is_loaded_in_4bit = True
+    return replaced
+
+
+def attach_lora(model: torch.nn.Module, rank: int = LORA_RANK):
+    """peft LoRA of rank `rank` (alpha = rank, no dropout) on the seven projections, as in the reference."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+                     target_modules=list(LORA_TARGETS))
+    return get_peft_model(model, cfg)
+
+
+def reset_lora_(model: torch.nn.Module, seed: int = SEED) -> int:
+    """Re-initialise every LoRA pair (A random from `seed`, B zero) so each row starts from one state.
+
+    With B = 0 the first loss of every config on a given batch is the same up to kernel rounding; a row
+    whose first loss differs from hf_gc's by more than that is computing something else.
+    """
+    torch.manual_seed(seed)
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "reset_lora_parameters") and "default" in getattr(module, "lora_A", {}):
+            module.reset_lora_parameters("default", True)
+            n += 1
+    return n
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer updates (the LoRA factors)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def random_batch(vocab_size: int, batch: int, seq: int, device: str,
+                 seed: int = SEED) -> dict[str, torch.Tensor]:
+    """Token ids drawn uniformly from the vocabulary; labels equal inputs (transformers shifts them)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=gen).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued GPU work so that host timers measure it."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class RssSampler:
+    """Peak host RSS of this process, sampled by a thread every `interval_s` (a /proc read, ~20 us)."""
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        self.interval_s = interval_s
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.start = 0
+        self.peak = 0
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> RssSampler:
+        self.start = self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, name="bench-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+
+
+class GpuPeak:
+    """Allocator high-water marks over a block: reset on entry, read on exit (None off CUDA)."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.static_allocated: int | None = None
+        self.peak_allocated: int | None = None
+        self.peak_reserved: int | None = None
+
+    def __enter__(self) -> GpuPeak:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.static_allocated = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak_allocated = torch.cuda.max_memory_allocated()
+            self.peak_reserved = torch.cuda.max_memory_reserved()
+
+
+def run_steps(step: Callable[[], torch.Tensor], warmup: int, steps: int,
+              device: str) -> tuple[list[float], list[float]]:
+    """Run `warmup + steps` training steps; return the timed steps' seconds and every step's loss.
+
+    Each step is bracketed by a device synchronize so the host clock covers the GPU work, including the
+    host-side overhead a real training loop pays (Python, launches, allocator).
+    """
+    times, losses = [], []
+    for i in range(warmup + steps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss = step()
+        synchronize(device)
+        dt = time.perf_counter() - t0
+        losses.append(float(loss))
+        if i >= warmup:
+            times.append(dt)
+    return times, losses
+
+
+def step_stats(times: list[float], tokens_per_step: int) -> dict[str, float]:
+    """tokens/s from the median timed step, and min/median/max so that noise is visible."""
+    med = statistics.median(times)
+    return {"tokens_per_s": round(tokens_per_step / med, 1), "step_s_min": round(min(times), 4),
+            "step_s_median": round(med, 4), "step_s_max": round(max(times), 4), "steps_timed": len(times)}
+
+
+def gib(n: int | None) -> float | None:
+    """Bytes to GiB, two decimals; None stays None (no GPU)."""
+    return None if n is None else round(n / GiB, 2)
+
+
+def dir_bytes(path: Path) -> int:
+    """Total size of the regular files under `path` (or of `path` itself)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def save_word_tokenizer(out_dir: Path, vocab_words: int = 252) -> None:
+    """A small word-level fast tokenizer for loaders that insist on one next to the weights (Unsloth)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    vocab = {tok: i for i, tok in enumerate(specials + [f"w{i}" for i in range(vocab_words)])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(str(out_dir))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write to a temporary name in the same folder and rename, so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """JSON with sorted keys and a trailing newline, written atomically."""
+    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+
+
+ERROR_CHARS = 400  # an error in a row is one line, enough to name the cause
+VERSIONED = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "triton", "liger-kernel",
+             "unsloth", "unsloth_zoo", "trl", "gguf", "prefect")
+
+
+def error_text(e: BaseException) -> str:
+    """`Type: first line of the message`, short enough for a table cell."""
+    msg = str(e).strip()
+    return f"{type(e).__name__}: {msg.splitlines()[0] if msg else ''}"[:ERROR_CHARS]
+
+
+def free_memory(device: str) -> None:
+    """Drop garbage and return cached GPU blocks, so the next row's reserved peak starts from its own."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def trim_host_heap() -> None:
+    """Give freed heap back to the OS (glibc keeps it otherwise, inflating later RSS readings)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def package_version(dist: str) -> str | None:
+    """The installed version of distribution `dist`, without importing it; None when absent."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Versions and the GPU, read without creating a CUDA context (nvidia-smi, package metadata)."""
+    env: dict[str, Any] = {"python": platform.python_version(), "cuda": torch.version.cuda, "device": device,
+                           "versions": {d: package_version(d) for d in VERSIONED}}
+    if device.startswith("cuda"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+            name, mem, driver = [s.strip() for s in out.stdout.splitlines()[0].split(",")]
+            env.update(gpu=name, gpu_memory=mem, driver=driver)
+        except (OSError, IndexError, ValueError, subprocess.TimeoutExpired) as e:
+            env["gpu"] = f"unknown ({error_text(e)})"
+    else:
+        env.update(gpu=None, cpu=platform.machine())
+    return env
+
+
+def make_row(model_key: str, config: str, batch: int, seq: int, status: str, **extra: Any) -> dict[str, Any]:
+    """A result row; measured fields are added by `measure_training`, failures carry `error`."""
+    return {"kind": "row", "model": model_key, "model_name": MODEL_SHAPES[model_key].name, "config": config,
+            "batch": batch, "seq": seq, "status": status, "error": None, **extra}
+
+
+def measure_training(model: torch.nn.Module, loss_fn: Callable, *, model_key: str, config: str, batch: int,
+                     seq: int, warmup: int, steps: int, device: str,
+                     notes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train `warmup + steps` steps of one (config, batch) and return its row; never raises.
+
+    Every row starts from the same LoRA init and the same batch, under bf16 autocast with AdamW, with
+    the allocator peaks reset and the host RSS sampled over all its steps (warm-up included: a
+    first-step spike is still memory the GPU must have).
+    """
+    free_memory(device)
+    reset_lora_(model)
+    model.train()
+    data = random_batch(model.config.vocab_size, batch, seq, device)
+    params = trainable_parameters(model)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.startswith("cuda"))
+    dev_type = device.split(":")[0]
+
+    def step() -> torch.Tensor:
+        with torch.autocast(dev_type, dtype=torch.bfloat16):
+            loss = loss_fn(model, data)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    rss, mem = RssSampler(), GpuPeak(device)
+    row = make_row(model_key, config, batch, seq, "ok", warmup=warmup, notes=notes or {})
+    try:
+        with rss, mem:
+            times, losses = run_steps(step, warmup, steps, device)
+        row.update(step_stats(times, batch * seq), loss_first=round(losses[0], 4),
+                   loss_last=round(losses[-1], 4))
+        if not all(math.isfinite(x) for x in losses):  # NaN/inf: a broken run, not a speed
+            row.update(status="error", error=f"non-finite loss: {losses}")
+    except torch.OutOfMemoryError as e:
+        row.update(status="oom", error=error_text(e))
+    except Exception as e:  # a broken config must not take the rest of the suite down
+        traceback.print_exc()
+        row.update(status="error", error=error_text(e))
+    finally:
+        opt.zero_grad(set_to_none=True)
+        opt.state.clear()  # AdamW's two moments per LoRA weight; the next row allocates its own
+        free_memory(device)
+    row.update(peak_allocated_gib=gib(mem.peak_allocated), peak_reserved_gib=gib(mem.peak_reserved),
+               static_allocated_gib=gib(mem.static_allocated), host_rss_start_gib=gib(rss.start),
+               host_rss_peak_gib=gib(rss.peak))
+    return row

@@ -1,0 +1,113 @@
+"""Benchmark reports: ratios against the HF + peft baseline and the markdown tables, from result dicts.
+
+Used by runner.py (OUT/bench.md) and render_readme_table.py (the README's Performance section), so the
+committed table and the run's own table can never disagree in layout or rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.common import CONFIGS, MODEL_SHAPES
+
+_STEP_KEYS = ("step_s_min", "step_s_median", "step_s_max")
+BASELINE = "hf_gc"  # HF transformers + peft + bitsandbytes with standard checkpointing
+
+
+def _ratio(row: dict, base: dict, key: str) -> float | None:
+    if row["status"] != "ok" or base["status"] != "ok" or not row.get(key) or not base.get(key):
+        return None
+    return round(row[key] / base[key], 3)
+
+
+def compute_ratios(rows: list[dict]) -> list[dict]:
+    """Every config against hf_gc on the same model, batch and seq: tokens/s and peak-memory ratios.
+
+    A ratio is None unless both rows are ok, so a failed run can never show up as a speed-up.
+    """
+    baselines = {(r["model"], r["batch"], r["seq"]): r for r in rows if r["config"] == BASELINE}
+    out = []
+    for r in rows:
+        b = baselines.get((r["model"], r["batch"], r["seq"]))
+        if r["config"] == BASELINE or b is None:
+            continue
+        out.append({"model": r["model"], "config": r["config"], "batch": r["batch"], "seq": r["seq"],
+                    "tokens_per_s_ratio": _ratio(r, b, "tokens_per_s"),
+                    "peak_allocated_ratio": _ratio(r, b, "peak_allocated_gib"),
+                    "peak_reserved_ratio": _ratio(r, b, "peak_reserved_gib")})
+    return out
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}" if abs(v) < 1 else f"{v:.2f}"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _times(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}×"
+
+
+def sort_rows(rows: list[dict]) -> list[dict]:
+    """Model order of MODEL_SHAPES, then batch, then config order of CONFIGS (baseline first)."""
+    models, configs = list(MODEL_SHAPES), list(CONFIGS)
+
+    def key(r: dict) -> tuple:
+        return (models.index(r["model"]) if r["model"] in models else len(models), r["batch"], r["seq"],
+                configs.index(r["config"]) if r["config"] in configs else len(configs))
+
+    return sorted(rows, key=key)
+
+
+def render_markdown(result: dict) -> str:
+    """The training table (one row per model x batch x config), the ratio table, and merge/GGUF rows."""
+    names = {k: s.name for k, s in MODEL_SHAPES.items()}
+    lines = ["| model | batch | seq | config | tokens/s | step s min / median / max | peak alloc GiB | "
+             "peak reserved GiB | host RSS peak GiB | loss first → last | status |",
+             "|---|---:|---:|---|---:|---|---:|---:|---:|---|---|"]
+    for r in sort_rows(result["rows"]):
+        ok = r["status"] == "ok"
+        steps = " / ".join(_cell(r.get(k)) for k in _STEP_KEYS) if ok else "–"
+        loss = f"{_cell(r.get('loss_first'))} → {_cell(r.get('loss_last'))}" if r.get("loss_first") else "–"
+        status = "ok" if ok else f"{r['status']}: {_cell(r.get('error'))[:120]}"
+        lines.append(f"| {names.get(r['model'], r['model'])} | {r['batch']} | {r['seq']} | {r['config']} | "
+                     f"{_cell(r.get('tokens_per_s'))} | {steps} | {_cell(r.get('peak_allocated_gib'))} | "
+                     f"{_cell(r.get('peak_reserved_gib'))} | {_cell(r.get('host_rss_peak_gib'))} | {loss} | "
+                     f"{status} |")
+    lines += _ratio_table(compute_ratios(result["rows"]), names)
+    export = result.get("export") or []
+    if export:
+        lines += ["", "| step | model | seconds | peak GPU alloc GiB | host RSS peak GiB | bytes written | "
+                  "status |",
+                  "|---|---|---:|---:|---:|---:|---|"]
+        for e in export:
+            status = e["status"] if e["status"] == "ok" else f"{e['status']}: {_cell(e.get('error'))[:120]}"
+            written = f"{e['bytes_written']:,}" if e.get("bytes_written") else "–"
+            lines.append(f"| {e['step']} | {names.get(e.get('model'), e.get('model'))} | "
+                         f"{_cell(e.get('seconds'))} | {_cell(e.get('peak_gpu_allocated_gib'))} | "
+                         f"{_cell(e.get('host_rss_peak_gib'))} | {written} | {status} |")
+    return "\n".join(lines) + "\n"
+
+
+def _ratio_table(ratios: list[dict], names: dict[str, str]) -> list[str]:
+    """One line per (model, batch, seq), one column per config: tokens/s ratio / peak-allocated ratio."""
+    if not ratios:
+        return []
+    configs = [c for c in CONFIGS if any(q["config"] == c for q in ratios)]
+    cells: dict[tuple, dict[str, str]] = {}
+    for q in ratios:
+        cell = f"{_times(q['tokens_per_s_ratio'])} / {_times(q['peak_allocated_ratio'])}"
+        cells.setdefault((q["model"], q["batch"], q["seq"]), {})[q["config"]] = cell
+    keys = [(r["model"], r["batch"], r["seq"]) for r in sort_rows(
+        [{"model": m, "batch": b, "seq": s, "config": BASELINE} for m, b, s in cells])]
+    lines = ["", f"Against `{BASELINE}` (HF + peft + bitsandbytes, standard checkpointing) on the same model "
+             "and batch: tokens/s ratio / peak-allocated ratio (above 1× is faster; below 1× is less memory; "
+             "– where either row failed):", "",
+             "| model | batch | seq | " + " | ".join(configs) + " |",
+             "|---|---:|---:|" + "---:|" * len(configs)]
+    for m, b, s in keys:
+        row = cells[(m, b, s)]
+        lines.append(f"| {names.get(m, m)} | {b} | {s} | {' | '.join(row.get(c, '–') for c in configs)} |")
+    return lines

@@ -1,0 +1,144 @@
+"""Selection, per-instance patching and undo on tiny models of every family; LoRA grads, kernels vs off."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # Triton reads this when the kernels are decorated, i.e. at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from slimtune.kernels import KERNEL_NAMES, apply_kernels, resolve_selection  # noqa: E402
+from slimtune.tiny import FAMILIES, build_model, save_tiny  # noqa: E402
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 5), generator=g)  # few tokens: the interpreter runs one program each
+    position_ids = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]])  # row 2 packs two examples
+    labels = ids.clone()
+    labels[:, :2] = -100  # completion-only: the prompt is masked
+    return dict(input_ids=ids, position_ids=position_ids, labels=labels)
+
+
+def _step(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def _own_forwards(model) -> int:
+    return sum("forward" in m.__dict__ for m in model.modules())
+
+
+def test_resolve_selection_rules(monkeypatch):
+    assert resolve_selection("off", "cuda", "llama") == []
+    assert resolve_selection("auto", "cpu", "llama") == []  # interpreter is far too slow to be automatic
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # skip the capability probe
+    auto_llama = resolve_selection("auto", "cuda", "llama")
+    assert "swiglu" in auto_llama and "geglu" not in auto_llama and "fused_linear_ce" in auto_llama
+    assert "geglu" in resolve_selection("auto", "cuda", "gemma")
+    assert resolve_selection("auto", "cuda", "gpt2") == []
+    assert resolve_selection("rope, rms_norm", "cuda", "llama") == ["rope", "rms_norm"]
+    with pytest.raises(ValueError, match="unknown kernel"):
+        resolve_selection(["rms_norm", "flash"], "cuda", "llama")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        resolve_selection(["rope"], "cpu", "llama")
+
+
+def test_auto_on_cpu_applies_nothing_and_says_why():
+    model = build_model("llama", 64, num_hidden_layers=1)
+    patch = apply_kernels(model, "auto")
+    assert patch.applied == [] and _own_forwards(model) == 0
+    assert set(patch.skipped) == set(KERNEL_NAMES) and "no CUDA device" in patch.skipped["rope"]
+    assert apply_kernels(model, "off").skipped == {}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_apply_matches_eager_and_undo_restores(family):
+    model = build_model(family, 128, num_hidden_layers=1).train()
+    classes = {type(m): type(m).forward for m in model.modules()}
+    batch = _batch(128)
+    ref_out, ref_grads = _step(model, batch)
+    patch = apply_kernels(model, list(KERNEL_NAMES))
+    gated = "geglu" if family == "gemma" else "swiglu"
+    assert set(patch.applied) == {"rms_norm", "rope", gated, "fused_linear_ce"}
+    assert "lora_nf4" in patch.skipped and ({"swiglu", "geglu"} - {gated}) <= set(patch.skipped)
+    # Qwen3 also normalises q and k per head: two more RMSNorms per layer
+    assert patch.modules["rms_norm"] == (5 if family == "qwen3" else 3)
+    out, grads = _step(model, batch)
+    assert out.logits is None  # the fused loss never builds logits
+    # fp32 model: kernels reorder sums only, so 1e-5 relative is ample (measured ~1e-6)
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():  # without labels the patched model still returns logits (HF's own path)
+        logits = model(input_ids=batch["input_ids"]).logits
+    assert logits.shape == (2, 5, 128)
+    patch.undo()
+    assert _own_forwards(model) == 0 and patch.applied == []
+    assert all(cls.forward is fwd for cls, fwd in classes.items())  # no class was ever touched
+    again, _ = _step(model, batch)
+    assert torch.equal(again.logits, ref_out.logits)
+
+
+@pytest.fixture(scope="module")
+def tiny_qlora(tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    path = save_tiny(tmp_path_factory.mktemp("tiny") / "llama", "llama", num_hidden_layers=1)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    model = get_peft_model(base, config)
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero; non-zero B gives A a gradient and the output an adapter term
+            torch.nn.init.normal_(p, std=0.05)
+    return model.train()
+
+
+def test_qlora_step_with_kernels_gives_the_same_lora_gradients(tiny_qlora):
+    model = tiny_qlora
+    batch = _batch(model.get_base_model().config.vocab_size)
+    ref_out, ref_grads = _step(model, batch)
+    assert ref_grads and all("lora_" in n for n in ref_grads)
+    patch = apply_kernels(model, list(KERNEL_NAMES))  # auto would pick none on CPU: force every kernel
+    try:
+        assert "lora_nf4" in patch.applied and patch.modules["lora_nf4"] == len(LORA_TARGETS)
+        out, grads = _step(model, batch)
+    finally:
+        patch.undo()
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert g.abs().sum() > 0, name
+        # fp32 compute over an NF4 base dequantized bit-exactly: differences are summation order only
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert _own_forwards(model) == 0
+
+
+def test_lora_falls_back_to_peft_when_adapters_are_disabled(tiny_qlora):
+    model = tiny_qlora
+    batch = _batch(model.get_base_model().config.vocab_size)
+    with torch.no_grad():
+        with model.disable_adapter():
+            ref = model(input_ids=batch["input_ids"]).logits
+        patch = apply_kernels(model, ["lora_nf4"])
+        try:
+            with model.disable_adapter():
+                got = model(input_ids=batch["input_ids"]).logits
+            adapted = model(input_ids=batch["input_ids"]).logits
+        finally:
+            patch.undo()
+    assert torch.equal(got, ref)
+    assert not torch.allclose(adapted, ref)  # the adapter is active again and moves the output
