@@ -190,5 +190,5 @@ def test_merge_and_export_estimates():
     assert kquant.disk_bytes > f16.disk_bytes
     assert kquant.breakdown["disk: f16 intermediate for k-quants"] == f16.disk_bytes
     assert 4.7e9 < kquant.breakdown["disk: q4_k_m.gguf"] < 5.0e9  # llama.cpp's Q4_K_M 8B file: 4.9 GB
-    with pytest.raises(ValueError, match="gguf.out_types"):
+    with pytest.raises(ValueError, match="export.gguf"):
         estimate_export(LLAMA_31_8B, out_types=["q9_x"])

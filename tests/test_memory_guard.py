@@ -242,7 +242,7 @@ def test_train_ladder_halves_micro_batch_then_offloads_then_gives_advice():
     assert [s.checkpointing for s in shifts] == [True, True, True, True, "unsloth"]
     assert shifts[0].notes == () and len(shifts[4].notes) == 4
     assert "8 -> 4" in shifts[1].notes[0] and "'unsloth'" in shifts[4].notes[-1]
-    with pytest.raises(DownshiftExhausted, match="train.max_seq_length"):
+    with pytest.raises(DownshiftExhausted, match="data.max_seq_length"):
         downshift_train(8, 2, True, 6)
     # Odd micro-batches keep the effective batch exact: 6 -> 3 -> 1.
     assert [(s.micro_batch, s.grad_accum) for s in (downshift_train(6, 1, "unsloth", a) for a in (2, 3))] == [

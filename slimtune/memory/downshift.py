@@ -82,7 +82,7 @@ def downshift_train(micro_batch: int, grad_accum: int, checkpointing: bool | str
         else:
             raise DownshiftExhausted(
                 f"packed_sft ran out of memory at micro-batch 1 with offloaded ('unsloth') checkpointing "
-                f"after {step - 1} attempts. Lower train.max_seq_length, lower lora.r or target fewer "
+                f"after {step - 1} attempts. Lower data.max_seq_length, lower lora.r or target fewer "
                 "lora.target_modules, use an 8-bit optimizer, raise the memory budget, or use a GPU "
                 "with more memory."
             )
@@ -107,7 +107,7 @@ def downshift_merge(maximum_memory_usage: float, attempt: int) -> MergeShift:
         if value <= _MERGE_FLOOR + 1e-9:
             raise DownshiftExhausted(
                 f"dequant_merge ran out of memory at merge.maximum_memory_usage {value:.1f} after "
-                f"{step - 1} attempts. Free memory used by other processes, lower merge.max_shard_size, "
+                f"{step - 1} attempts. Free memory used by other processes, lower merge.max_shard_size_gb, "
                 "or merge on a machine with more memory."
             )
         lowered = round(max(value - _MERGE_STEP, _MERGE_FLOOR), 2)

@@ -322,7 +322,7 @@ def estimate_train(
     # A resumable checkpoint is written beside the previous one before that one is removed.
     disk = {"adapter and optimizer checkpoints (2 kept while writing)": 2 * checkpoint}
     fields = {
-        "gpu": "train.micro_batch_size (with train.gradient_accumulation_steps), train.max_seq_length "
+        "gpu": "train.micro_batch_size (with train.gradient_accumulation_steps), data.max_seq_length "
         "or lora.gradient_checkpointing",
         "host": "lora.gradient_checkpointing (offloading keeps layer inputs in host memory)",
         "disk": "train.output_dir (a disk with more space)",
@@ -352,7 +352,7 @@ def estimate_merge(cfg: dict[str, Any], *, max_shard_bytes: int, output_dtype_by
     disk = {"merged model": full}
     fields = {
         "gpu": "merge.maximum_memory_usage",
-        "host": "merge.max_shard_size or merge.maximum_memory_usage",
+        "host": "merge.max_shard_size_gb or merge.maximum_memory_usage",
         "disk": "merge.output_dir (a disk with more space)",
     }
     return _estimate(_with_slack(gpu), host, disk, fields)
@@ -367,7 +367,7 @@ def estimate_export(cfg: dict[str, Any], *, out_types: list[str] | tuple[str, ..
     shape = _shape(cfg)
     unknown = [t for t in out_types if t.lower() not in _GGUF_BYTES_PER_WEIGHT]
     if unknown:
-        raise ValueError(f"gguf.out_types has {unknown}; supported: {sorted(_GGUF_BYTES_PER_WEIGHT)}")
+        raise ValueError(f"export.gguf has {unknown}; supported: {sorted(_GGUF_BYTES_PER_WEIGHT)}")
     weights = shape.total_weights()
     sizes = {t.lower(): int(weights * _GGUF_BYTES_PER_WEIGHT[t.lower()]) for t in out_types}
     disk = {f"{t}.gguf": size for t, size in sizes.items()}
@@ -379,7 +379,7 @@ def estimate_export(cfg: dict[str, Any], *, out_types: list[str] | tuple[str, ..
         "one tensor in fp32": shape.vocab * shape.hidden * 4,
     }
     fields = {
-        "host": "gguf.out_types (verify fewer or smaller types)",
-        "disk": "gguf.out_types or gguf.output_dir",
+        "host": "export.gguf (verify fewer or smaller types)",
+        "disk": "export.gguf or output_dir",
     }
     return _estimate({}, host, disk, fields)

@@ -1,0 +1,151 @@
+"""Turning one record into token ids and labels: chat messages, prompt/completion, or plain text.
+
+Labels are the input ids with -100 wherever no loss is wanted. With completion-only loss, only the
+assistant turns (chat) or the completion (prompt/completion) are targets; the assistant spans come
+from the chat template's `{% generation %}` markers when it has them, and otherwise from rendering
+each conversation prefix (which needs a template whose renderings of prefixes are prefixes).
+
+The first token of every example is never a target: alone it has nothing to be predicted from, and in
+a packed row it would be predicted from the previous example's last token.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from slimtune.spec import DataSpec
+
+IGNORE_INDEX = -100
+Format = Literal["messages", "prompt_completion", "text"]
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class FieldError(ValueError):
+    """A record whose field is missing or of the wrong type; `field` names it for the message."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"field {field!r}: {message}")
+
+
+def detect_format(record: Any, data: DataSpec) -> Format:
+    """The format named in the spec, or the one the record's fields show when it is `auto`."""
+    if data.format != "auto":
+        return data.format
+    if not isinstance(record, dict):
+        raise FieldError("(record)", f"expected a JSON object, got {type(record).__name__}")
+    if data.messages_field in record:
+        return "messages"
+    if data.prompt_field in record and data.completion_field in record:
+        return "prompt_completion"
+    if data.text_field in record:
+        return "text"
+    raise FieldError("(record)", f"cannot detect the format from fields {sorted(record)}; expected "
+                     f"{data.messages_field!r}, {data.prompt_field!r}+{data.completion_field!r} or "
+                     f"{data.text_field!r}; set data.format and data.messages_field/prompt_field/"
+                     "completion_field/text_field to your field names")
+
+
+def render(record: Any, fmt: Format, data: DataSpec, tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids and labels (same length, -100 = no loss) of one record, before truncation.
+
+    Raises:
+        FieldError: a field is missing, of the wrong type, or the chat template cannot mark it.
+    """
+    if not isinstance(record, dict):
+        raise FieldError("(record)", f"expected a JSON object, got {type(record).__name__}")
+    if fmt == "messages":
+        ids, mask = _render_messages(_messages(record, data.messages_field), tokenizer, data)
+    elif fmt == "prompt_completion":
+        prompt = _string(record, data.prompt_field, "prompt_field")
+        completion = _string(record, data.completion_field, "completion_field")
+        prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        completion_ids = _with_eos(tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer)
+        ids = prompt_ids + completion_ids
+        mask = [not data.completion_only_loss] * len(prompt_ids) + [True] * len(completion_ids)
+    else:
+        text = _string(record, data.text_field, "text_field")
+        ids = _with_eos(tokenizer(text, add_special_tokens=True)["input_ids"], tokenizer)
+        mask = [True] * len(ids)
+    labels = [t if keep else IGNORE_INDEX for t, keep in zip(ids, mask)]
+    if labels:
+        labels[0] = IGNORE_INDEX
+    return list(ids), labels
+
+
+def _string(record: dict, field: str, spec_field: str) -> str:
+    if field not in record:
+        raise FieldError(field, f"missing; the record has {sorted(record)}; set data.{spec_field} to the "
+                         "field that holds it")
+    value = record[field]
+    if not isinstance(value, str):
+        raise FieldError(field, f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _messages(record: dict, field: str) -> list[dict[str, str]]:
+    if field not in record:
+        raise FieldError(field, f"missing; the record has {sorted(record)}; set data.messages_field to the "
+                         "field that holds the chat messages")
+    value = record[field]
+    if not isinstance(value, list) or not value:
+        raise FieldError(field, f"expected a non-empty list of {{role, content}} objects, got "
+                         f"{type(value).__name__ if value != [] else 'an empty list'}")
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise FieldError(f"{field}[{i}]", f"expected an object with role and content, got "
+                             f"{type(message).__name__}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise FieldError(f"{field}[{i}].{key}", "missing; every message needs role and content")
+            if not isinstance(message[key], str):
+                raise FieldError(f"{field}[{i}].{key}",
+                                 f"expected a string, got {type(message[key]).__name__}")
+    return value
+
+
+def _with_eos(ids: list[int], tokenizer) -> list[int]:
+    # Ending on EOS teaches the model to stop; tokenizers that add it themselves are left alone.
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+
+def _render_messages(messages: list[dict], tokenizer, data: DataSpec) -> tuple[list[int], list[bool]]:
+    template = tokenizer.chat_template
+    if not template:
+        raise FieldError(data.messages_field, "the tokenizer has no chat template; use a chat model's "
+                         "tokenizer, or convert the data to prompt/completion or text")
+    if not data.completion_only_loss:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        return list(ids), [True] * len(ids)
+    if isinstance(template, str) and _GENERATION_TAG.search(template):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+    return _mask_by_prefixes(messages, tokenizer, data.messages_field)
+
+
+def _mask_by_prefixes(messages: list[dict], tokenizer, field: str) -> tuple[list[int], list[bool]]:
+    """Assistant spans from renderings of conversation prefixes, for templates without generation tags."""
+    def ids_of(msgs: list[dict], prompt: bool) -> list[int]:
+        return list(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True,
+                                                  add_generation_prompt=prompt)["input_ids"])
+
+    ids = ids_of(messages, False)
+    mask = [False] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        through = ids_of(messages[:i + 1], False)
+        start, end = len(ids_of(messages[:i], True)), len(through)
+        if through != ids[:end] or start > end:
+            raise FieldError(field, "the chat template renders conversation prefixes differently from the "
+                             "whole conversation, so assistant tokens cannot be found; use a template with "
+                             "{% generation %} markers or set data.completion_only_loss: false")
+        # Separators the template writes after the end-of-turn token (ChatML's "\n") are not the reply.
+        eos = tokenizer.eos_token_id
+        if eos in ids[start:end]:
+            end = start + len(ids[start:end]) - ids[start:end][::-1].index(eos)
+        mask[start:end] = [True] * (end - start)
+    return ids, mask

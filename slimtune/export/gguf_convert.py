@@ -1,0 +1,293 @@
+"""Hugging Face safetensors -> GGUF for Llama, Mistral, Qwen2, Qwen3 and Gemma, on the PyPI `gguf` package.
+
+Tensors are streamed: every tensor's GGUF name, type and byte size is planned from the safetensors
+headers alone, the header is written, and then each tensor is read, transformed, quantized and written
+before the next is read, so memory is bounded by the largest tensor (about 3x it: the source, its f32
+copy and the quantized bytes), never by the model.
+
+Layout differences from HF that llama.cpp expects:
+- Llama/Mistral q_proj/k_proj rows are permuted from HF's "rotate half" order to llama.cpp's
+  interleaved rope pairs (per head, rows [0..d/2) and [d/2..d) are interleaved).
+- Gemma RMSNorm multiplies by (1 + w); llama.cpp multiplies by w, so 1 is added to every norm weight.
+- Llama-3 rope scaling becomes a `rope_freqs` tensor of per-frequency divisors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from slimtune.export.gguf_quantize import CONVERTER_TYPES
+from slimtune.export.gguf_tokenizer import add_tokenizer
+
+Q = gguf.GGMLQuantizationType
+_FT = gguf.LlamaFileType
+_OUT_TYPES = {"f32": (Q.F32, _FT.ALL_F32), "f16": (Q.F16, _FT.MOSTLY_F16),
+              "bf16": (Q.BF16, _FT.MOSTLY_BF16), "q8_0": (Q.Q8_0, _FT.MOSTLY_Q8_0),
+              "q4_0": (Q.Q4_0, _FT.MOSTLY_Q4_0), "q5_0": (Q.Q5_0, _FT.MOSTLY_Q5_0)}
+assert set(_OUT_TYPES) == set(CONVERTER_TYPES)
+
+
+@dataclass(frozen=True)
+class _Family:
+    arch: gguf.MODEL_ARCH
+    permute_qk: bool  # HF rotate-half -> llama.cpp interleaved rope rows (llama arch only)
+    norm_plus_one: bool  # Gemma stores w for a (1 + w) RMSNorm
+
+
+_FAMILIES = {
+    "LlamaForCausalLM": _Family(gguf.MODEL_ARCH.LLAMA, True, False),
+    "MistralForCausalLM": _Family(gguf.MODEL_ARCH.LLAMA, True, False),  # llama.cpp runs Mistral as llama
+    "Qwen2ForCausalLM": _Family(gguf.MODEL_ARCH.QWEN2, False, False),
+    "Qwen3ForCausalLM": _Family(gguf.MODEL_ARCH.QWEN3, False, False),
+    "GemmaForCausalLM": _Family(gguf.MODEL_ARCH.GEMMA, False, True),
+}
+
+
+@dataclass
+class _Planned:
+    name: str
+    source: Callable[[], np.ndarray]  # loads and transforms the f32 data when it is its turn
+    shape: tuple[int, ...]
+    qtype: Q
+
+
+def convert_hf_to_gguf(model_dir: Path, out_path: Path, out_type: str = "f16", *,
+                       split_max_bytes: int | None = None) -> list[Path]:
+    """Convert the HF checkpoint in `model_dir` to GGUF at `out_path` and return the written file(s).
+
+    Args:
+        model_dir: a `save_pretrained` directory (config.json, *.safetensors, tokenizer.json).
+        out_path: the GGUF file; with splitting, shards are named `<stem>-00001-of-0000N.gguf` beside it
+            (llama.cpp's gguf-split naming, which llama.cpp needs to find the other shards).
+        out_type: f32, f16, bf16, q8_0, q4_0 or q5_0; k-quants come from `quantize_gguf` on an f16 file.
+        split_max_bytes: start a new shard before tensor data would exceed this many bytes.
+
+    Raises:
+        ValueError: unknown out_type, unsupported architecture, rope type or tensor name.
+        UnsupportedTokenizerError: when llama.cpp could not tokenize exactly like the HF tokenizer.
+    """
+    model_dir, out_path = Path(model_dir), Path(out_path)
+    if out_type not in _OUT_TYPES:
+        raise ValueError(f"out_type {out_type!r} is not written by the converter; use one of "
+                         f"{', '.join(_OUT_TYPES)} (k-quants: convert to f16, then quantize_gguf)")
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    arch_name = (config.get("architectures") or ["?"])[0]
+    if arch_name not in _FAMILIES:
+        raise ValueError(f"{model_dir / 'config.json'}: architecture {arch_name!r} is not supported by the "
+                         f"GGUF converter; supported: {', '.join(_FAMILIES)}")
+    family = _FAMILIES[arch_name]
+    default_qtype, file_type = _OUT_TYPES[out_type]
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_path.stem}.", suffix=".tmp", dir=out_path.parent))
+    writer = gguf.GGUFWriter(tmp_dir / out_path.name, gguf.MODEL_ARCH_NAMES[family.arch],
+                             split_max_size=split_max_bytes or 0)  # opens nothing until the header
+    try:
+        plan = list(_plan_tensors(model_dir, config, family, default_qtype))
+        n_vocab = next(p.shape[0] for p in plan if p.name == "token_embd.weight")
+        _add_hparams(writer, config, model_dir.name, file_type, n_vocab)
+        add_tokenizer(writer, model_dir, n_vocab)
+        for p in plan:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[p.qtype]
+            n_bytes = math.prod(p.shape) // block * block_bytes
+            writer.add_tensor_info(p.name, p.shape, np.dtype(np.float32), n_bytes, raw_dtype=p.qtype)
+        tmp_files = writer.format_shard_names(tmp_dir / out_path.name)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for p in plan:
+            writer.write_tensor_data(_encode(p.source(), p.qtype))
+        writer.close()
+        final = [out_path.parent / f.name for f in tmp_files]
+        for tmp, dst in zip(tmp_files, final):
+            os.replace(tmp, dst)
+    finally:
+        writer.close()
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return final
+
+
+def _encode(data: np.ndarray, qtype: Q) -> np.ndarray:
+    if qtype == Q.F32:
+        return data.astype(np.float32, copy=False)
+    if qtype == Q.F16:
+        return data.astype(np.float16)
+    return gguf.quants.quantize(data, qtype)  # BF16 rounding and Q8_0/Q4_0/Q5_0 match ggml's bytes
+
+
+def _plan_tensors(model_dir: Path, config: dict[str, Any], family: _Family,
+                  default_qtype: Q) -> Iterator[_Planned]:
+    from safetensors import safe_open
+
+    n_layers = config["num_hidden_layers"]
+    n_head = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads", n_head)
+    tied = bool(config.get("tie_word_embeddings", False)) or family.arch == gguf.MODEL_ARCH.GEMMA
+    name_map = gguf.get_tensor_name_map(family.arch, n_layers)
+
+    rope_freqs = _llama3_rope_factors(config)
+    if rope_freqs is not None:
+        yield _Planned(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                       lambda: rope_freqs, rope_freqs.shape, Q.F32)
+    for file, key in _safetensors_keys(model_dir):
+        if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
+            continue  # recomputed by llama.cpp / shared with token_embd
+        name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ValueError(f"{file.name}: tensor {key!r} has no GGUF name for {family.arch.name.lower()}; "
+                             "the checkpoint has modules the converter does not know")
+        with safe_open(file, framework="pt") as f:
+            shape = tuple(f.get_slice(key).get_shape())
+        transform = _transform_for(key, family, n_head, n_kv)
+        yield _Planned(name, _loader(file, key, transform), shape,
+                       _tensor_qtype(name, shape, default_qtype, tied))
+
+
+def _safetensors_keys(model_dir: Path) -> Iterator[tuple[Path, str]]:
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}; save the model with "
+                                "save_pretrained(dir, safe_serialization=True)")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            keys = list(f.keys())
+        for key in keys:
+            yield file, key
+
+
+def _loader(file: Path, key: str, transform: Callable[[np.ndarray], np.ndarray]) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        from safetensors import safe_open
+
+        with safe_open(file, framework="pt") as f:
+            data = f.get_tensor(key).float().numpy()
+        return transform(data)
+
+    return load
+
+
+def _transform_for(key: str, family: _Family, n_head: int, n_kv: int) -> Callable[[np.ndarray], np.ndarray]:
+    if family.permute_qk and key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        return lambda w: _permute_rope_rows(w, n_head)
+    if family.permute_qk and key.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+        return lambda w: _permute_rope_rows(w, n_kv)
+    if family.norm_plus_one and key.endswith("norm.weight"):
+        return lambda w: w + 1.0
+    return lambda w: w
+
+
+def _permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Reorder each head's rows from HF's halves (x0..x{d/2-1}, y0..) to pairs (x0, y0, x1, y1, ...)."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensor_qtype(name: str, shape: tuple[int, ...], default: Q, tied: bool) -> Q:
+    if len(shape) < 2 or default in (Q.F32, Q.F16, Q.BF16):
+        return Q.F32 if len(shape) < 2 else default  # norms and biases stay f32, as llama.cpp keeps them
+    block = gguf.GGML_QUANT_SIZES[default][0]
+    if shape[-1] % block:
+        return Q.F16  # a row that is not a whole number of 32-value blocks cannot be block-quantized
+    output = name == "output.weight" or (tied and name == "token_embd.weight")
+    # The output projection sets every logit directly; 4/5-bit there costs far more quality than
+    # anywhere else, so it stays at 8 bits (llama.cpp's quantizer keeps it at q6_k for the same reason).
+    if output and default in (Q.Q4_0, Q.Q5_0):
+        return Q.Q8_0
+    return default
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from transformers 5 `rope_parameters` or older `rope_scaling`."""
+    params = config.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    scaling = params if params.get("rope_type", "default") != "default" else config.get("rope_scaling")
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "default":
+        scaling = None
+    return theta, scaling
+
+
+def _llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
+    theta, scaling = _rope(config)
+    if not scaling or (scaling.get("rope_type") or scaling.get("type")) != "llama3":
+        return None
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    factor = float(scaling["factor"])
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    # llama.cpp divides each rope frequency by its factor: 1 for short wavelengths, `factor` for long
+    # ones, and the same smooth blend in between that transformers applies to inv_freq.
+    factors = np.where(wavelen < old_ctx / high, 1.0,
+                       np.where(wavelen > old_ctx / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+    return factors.astype(np.float32)
+
+
+def _add_hparams(writer: gguf.GGUFWriter, config: dict[str, Any], name: str, file_type: int,
+                 n_vocab: int) -> None:
+    n_head = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    writer.add_name(name)
+    writer.add_file_type(int(file_type))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_vocab_size(n_vocab)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(config.get("num_key_value_heads", n_head))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    theta, scaling = _rope(config)
+    writer.add_rope_freq_base(theta)
+    if scaling:
+        _add_rope_scaling(writer, scaling, config)
+
+
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+
+
+def _add_rope_scaling(writer: gguf.GGUFWriter, scaling: dict[str, Any], config: dict[str, Any]) -> None:
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "llama3":
+        return  # carried by the rope_freqs tensor
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+    elif kind == "yarn":
+        # Checked against transformers to 1e-6 with the default ramp (beta_fast 32, beta_slow 1) and
+        # attention factor; with other betas llama.cpp's logits differ (8e-3 measured), so refuse them.
+        custom = {k: scaling[k] for k in ("beta_fast", "beta_slow", "attention_factor", "mscale",
+                                          "mscale_all_dim", "truncate")
+                  if scaling.get(k) is not None and scaling[k] != _YARN_DEFAULTS.get(k)}
+        if custom:
+            raise ValueError(f"config.json: yarn rope scaling with {custom} is not supported by the GGUF "
+                             "converter (only factor and original_max_position_embeddings)")
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(scaling.get("original_max_position_embeddings")
+                                                 or config["max_position_embeddings"]))
+    else:
+        raise ValueError(f"config.json: rope scaling type {kind!r} is not supported by the GGUF converter "
+                         "(supported: linear, yarn, llama3)")

@@ -1,0 +1,195 @@
+"""Data-parallel training on one host: the packed_sft stage run as `torchrun` workers (DDP).
+
+DDP needs one process per GPU, and the flow process must stay one process (Prefect's task runs, the
+registry, the memory guard live there). So when `train.num_gpus > 1` the packed_sft task writes a job
+file and runs `torchrun --standalone --nproc-per-node N -m slimtune.train.ddp JOB`; every rank loads
+its own NF4 copy onto its own GPU (device_map={"": local_rank}), attaches LoRA and trains, and
+Trainer wraps the model in DistributedDataParallel so only the LoRA gradients are all-reduced. The
+flow process loads no model for such a run: `deferred` is what its load_4bit and attach_lora tasks
+report instead. Rank 0 alone writes checkpoints, the adapter and the reports (the trainer checks
+`should_save`); the other ranks only compute.
+
+`model.device: cpu` with `train.num_gpus: N` runs N CPU processes over gloo: the same code path,
+used by the CPU tests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections import deque
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from slimtune.spec import PipelineSpec
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "result.json"
+# Lines of the workers' output kept for the error message of a failed launch.
+_TAIL_LINES = 40
+
+
+def deferred(stage: str, spec: PipelineSpec) -> dict:
+    """What load_4bit / attach_lora report when the torchrun workers do that work inside packed_sft."""
+    return {"handle": None, "checkpointing_handle": None, "deferred_to": "packed_sft",
+            "reason": f"train.num_gpus={spec.train.num_gpus}: each of the {spec.train.num_gpus} DDP workers "
+                      f"runs {stage} on its own device; the flow process loads no model"}
+
+
+def check_devices(spec: PipelineSpec) -> str:
+    """The torch.distributed backend for this spec: nccl on GPUs, gloo on the CPU; clear errors otherwise."""
+    n = spec.train.num_gpus
+    device = spec.model.device
+    if device == "cpu":
+        return "gloo"
+    if device.startswith("cuda:"):
+        raise ValueError(f"model.device {device!r} with train.num_gpus {n}: DDP uses GPUs 0..{n - 1} of "
+                         "CUDA_VISIBLE_DEVICES; set model.device: auto and pick the GPUs with "
+                         "CUDA_VISIBLE_DEVICES")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < n:
+        raise ValueError(f"train.num_gpus is {n} but {visible} GPU(s) are visible; lower train.num_gpus, "
+                         "or set model.device: cpu to run the workers on the CPU (tests)")
+    return "nccl"
+
+
+def _worker_env(nproc: int) -> dict[str, str]:
+    env = dict(os.environ)
+    # The device hosts require NVLink multicast (NVLS) off; NCCL otherwise tries it on H100/H200.
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    # torchrun sets OMP_NUM_THREADS=1 when unset; on the CPU path that starves each rank, so split the cores.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # The workers are not Prefect task runs: their progress reaches the UI through this task's log.
+    env.pop("PREFECT__FLOW_RUN_ID", None)
+    return env
+
+
+def launch(spec: PipelineSpec, *, micro_batch_size: int, gradient_accumulation_steps: int,
+           gradient_checkpointing: bool | str) -> dict:
+    """Train with `spec.train.num_gpus` torchrun workers; returns rank 0's TrainReport dict plus `ddp`.
+
+    The arguments are the (possibly downshifted) per-process values of the packed_sft task. A worker's
+    out-of-memory error is re-raised here as `torch.OutOfMemoryError`, so that the memory guard retries
+    the stage with a smaller micro-batch like a single-process run.
+    """
+    nproc = spec.train.num_gpus
+    backend = check_devices(spec)
+    run_dir = spec.run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".ddp-", dir=run_dir) as tmp:
+        job_dir = Path(tmp)
+        job = {"spec": spec.model_dump(mode="json"), "backend": backend, "micro_batch_size": micro_batch_size,
+               "gradient_accumulation_steps": gradient_accumulation_steps,
+               "gradient_checkpointing": gradient_checkpointing}
+        (job_dir / "job.json").write_text(json.dumps(job), encoding="utf-8")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "slimtune.train.ddp", str(job_dir)]
+        log.info("launching %d DDP workers (%s): %s", nproc, backend, " ".join(cmd))
+        returncode, tail = _run(cmd, _worker_env(nproc))
+        result = job_dir / RESULT_FILE
+        if returncode == 0 and result.is_file():
+            return json.loads(result.read_text(encoding="utf-8"))
+        _raise_worker_error(job_dir, returncode, tail)
+    raise AssertionError("unreachable")  # _raise_worker_error always raises
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
+    """Run torchrun, relaying its output to this task's log; end the whole group if this task is stopped."""
+    tail: deque[str] = deque(maxlen=_TAIL_LINES)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip()
+            tail.append(line)
+            log.info("%s", line)
+        return proc.wait(), list(tail)
+    finally:
+        if proc.poll() is None:  # cancelled or crashed mid-training: no orphaned ranks holding GPUs
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _raise_worker_error(job_dir: Path, returncode: int, tail: list[str]) -> None:
+    errors = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(job_dir.glob("error-rank*.json"))]
+    first = errors[0] if errors else None
+    where = f"rank {first['rank']}: {first['type']}: {first['message']}" if first else "\n".join(tail[-15:])
+    message = f"DDP training failed (torchrun exit code {returncode}); {where}"
+    if any(e["oom"] for e in errors):
+        raise torch.OutOfMemoryError(message)
+    raise RuntimeError(message)
+
+
+def _rank_env() -> tuple[int, int, int]:
+    return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _train_rank(job: dict, local_rank: int) -> dict:
+    """Load, attach and train on this rank's device; returns this rank's TrainReport as a dict."""
+    from slimtune.tasks.attach_lora import attach_lora
+    from slimtune.tasks.load_4bit import load_4bit
+    from slimtune.tasks.packed_sft import packed_sft, prepare_data
+
+    spec = PipelineSpec.model_validate(job["spec"])
+    if job["backend"] == "nccl":
+        torch.cuda.set_device(local_rank)
+        spec.model.device = f"cuda:{local_rank}"
+    loaded = load_4bit(spec)
+    lora = attach_lora(spec, loaded.handle)
+    examples = prepare_data(spec, loaded.model_dir)
+    report = packed_sft(spec, lora.handle, lora.checkpointing_handle, examples,
+                        micro_batch_size=job["micro_batch_size"],
+                        gradient_accumulation_steps=job["gradient_accumulation_steps"],
+                        gradient_checkpointing=job["gradient_checkpointing"])
+    return asdict(report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one torchrun worker: `python -m slimtune.train.ddp JOB_DIR`."""
+    import torch.distributed as dist
+
+    from slimtune import atomic
+
+    job_dir = Path((argv or sys.argv[1:])[0])
+    rank, local_rank, world = _rank_env()
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
+    try:
+        job = json.loads((job_dir / "job.json").read_text(encoding="utf-8"))
+        report = _train_rank(job, local_rank)
+        # Trainer has set up the process group; gather every rank's throughput for the scaling report.
+        mine = {"rank": rank, "tokens_per_s": report["tokens_per_s"], "tokens_seen": report["tokens_seen"]}
+        ranks: list = [None] * world
+        dist.all_gather_object(ranks, mine)
+        if rank == 0:
+            report["ddp"] = {"world_size": world, "backend": job["backend"], "ranks": ranks,
+                             "tokens_per_s_total": sum(r["tokens_per_s"] for r in ranks)}
+            atomic.write_json(job_dir / RESULT_FILE, report)
+    except BaseException as e:
+        from slimtune.memory.errors import classify
+
+        atomic.write_json(job_dir / f"error-rank{rank}.json", {
+            "rank": rank, "type": type(e).__name__, "message": str(e).strip()[:2000], "oom": classify(e),
+            "traceback": traceback.format_exc()[-4000:]})
+        raise
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Packing: best-fit-decreasing rows, the collator's inputs, and that packed examples stay isolated."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from slimtune.data import (IGNORE_INDEX, Example, RowCollator, best_fit_decreasing, load_examples,
+                           one_per_row, pack, packing_efficiency, padded_efficiency)
+from slimtune.spec import DataSpec
+from slimtune.tiny import DATA_FILE, FAMILIES, build_model, ensure_builtin
+from slimtune.train import ISOLATING_MODEL_TYPES, choose_batching
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(ensure_builtin("builtin:tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def chat_examples(tokenizer):
+    return load_examples(DataSpec(path=str(DATA_FILE), max_seq_length=128, eval_fraction=0), tokenizer).train
+
+
+def _skewed_lengths(n: int, low: int, high: int, seed: int = 0) -> list[int]:
+    # Log-uniform: most examples short, a long tail up to `high` (typical of chat data).
+    rng = random.Random(seed)
+    return [int(round(low * (high / low) ** rng.random())) for _ in range(n)]
+
+
+def test_best_fit_decreasing_places_every_item_once_within_capacity():
+    lengths = _skewed_lengths(500, 10, 256, seed=1)
+    bins = best_fit_decreasing(lengths, 256)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 256 for b in bins)
+    # Johnson's bound for BFD: at most 11/9 of the optimum (>= the volume bound) plus 4 bins.
+    assert len(bins) <= 11 / 9 * -(-sum(lengths) // 256) + 4
+    assert bins == best_fit_decreasing(lengths, 256)  # deterministic
+
+
+def test_best_fit_picks_the_tightest_bin():
+    # 6 opens bin A (room 4), 5 opens bin B (room 5); best fit puts 4 into A (exact fit), not B.
+    assert best_fit_decreasing([6, 5, 4], 10) == [[0, 2], [1]]
+
+
+def test_best_fit_rejects_items_longer_than_capacity():
+    with pytest.raises(ValueError, match="truncate or drop"):
+        best_fit_decreasing([5, 11], 10)
+
+
+def test_packing_efficiency_at_least_95_percent_against_padded_batches():
+    max_len = 512
+    lengths = _skewed_lengths(2000, 10, max_len, seed=2)
+    examples = [Example([1] * n, [1] * n) for n in lengths]
+    packed = packing_efficiency(pack(examples, max_len), max_len)
+    naive = padded_efficiency(lengths, batch_size=8)  # same data, classic shuffled padded batches
+    assert packed >= 0.95, packed
+    assert naive < 0.6 < packed, (naive, packed)
+
+
+def test_packed_collator_restarts_positions_and_masks_padding():
+    a, b, c = Example([5, 6, 7], [-100, 6, 7]), Example([8, 9], [-100, 9]), Example([4], [-100])
+    rows = pack([a, b, c], 6)  # a+b+c fit exactly in one row of 6, longest first
+    rows += pack([Example([3, 3], [-100, 3])], 6)
+    batch = RowCollator("packed", pad_token_id=0)(rows)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 4], [3, 3, 0, 0, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9, -100], [-100, 3] + [IGNORE_INDEX] * 4]
+    assert "attention_mask" not in batch and batch["use_cache"] is False
+    assert batch["_slimtune_token_counts"] == (8, 12)
+
+
+def test_flash_varlen_batch_is_one_flat_row_with_boundaries():
+    rows = pack([Example([1] * 3, [1] * 3), Example([2] * 2, [2] * 2), Example([3] * 4, [3] * 4)], 5)
+    batch = RowCollator("packed", pad_token_id=0, flash_varlen=True)(rows)
+    assert batch["input_ids"].shape == (1, 9)  # no padding at all
+    assert batch["cu_seq_lens_q"].tolist() == [0, 4, 7, 9] and batch["max_length_q"] == 4
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]]
+
+
+def test_padded_collator_uses_attention_mask():
+    rows = one_per_row([Example([1, 2, 3], [-100, 2, 3]), Example([4], [-100])])
+    batch = RowCollator("padded", pad_token_id=0, pad_to_multiple_of=4)(rows)
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 2, 3, -100], [-100] * 4]
+    assert "position_ids" not in batch
+
+
+def _loss_sum_and_count(model, batch) -> tuple[float, int]:
+    batch = {k: v for k, v in batch.items() if not k.startswith("_")}
+    with torch.no_grad():
+        loss = model(**batch).loss.double()
+    n = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    return float(loss) * n, n
+
+
+@pytest.mark.parametrize("family, attn", [(f, "sdpa") for f in FAMILIES] + [("llama", "eager")])
+def test_packed_loss_equals_token_weighted_mean_of_example_losses(family, attn, tokenizer, chat_examples):
+    assert family in ISOLATING_MODEL_TYPES
+    torch.manual_seed(0)
+    model = build_model(family, len(tokenizer), num_hidden_layers=1, attn_implementation=attn).float()
+    examples = chat_examples[:12]
+    rows = pack(examples, 128)
+    assert any(len(r.seq_lens) > 2 for r in rows)  # really packed
+    assert choose_batching(model, "packed").mode == "packed"
+    total, count = _loss_sum_and_count(model, RowCollator("packed", tokenizer.pad_token_id)(rows))
+    alone = [_loss_sum_and_count(model, RowCollator("padded", 0)(one_per_row([e]))) for e in examples]
+    expected = sum(s for s, _ in alone) / sum(n for _, n in alone)
+    assert count == sum(n for _, n in alone)
+    # fp32 end to end; 1e-5 is ~100x the summation-order noise seen here (1e-7 relative).
+    assert total / count == pytest.approx(expected, abs=1e-5)
+    # Control: the same rows with one continuous position range attend across examples and differ.
+    batch = RowCollator("packed", tokenizer.pad_token_id)(rows)
+    batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])
+    leaked, _ = _loss_sum_and_count(model, batch)
+    assert abs(leaked / count - expected) > 1e-4  # 10x the tolerance above
+
+
+def test_unverified_architecture_falls_back_to_padded(caplog):
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with caplog.at_level("WARNING"):
+        batching = choose_batching(model, "packed")
+    assert batching.mode == "padded" and "gpt2" in batching.fallback_reason
+    assert "falls back to padded" in caplog.text
+
+
+@pytest.mark.gpu
+def test_flash_varlen_packed_loss_equals_example_losses(tokenizer, chat_examples):
+    pytest.importorskip("flash_attn")
+    torch.manual_seed(0)
+    model = build_model("llama", len(tokenizer), num_hidden_layers=2, attn_implementation="flash_attention_2")
+    model = model.to("cuda", torch.bfloat16)
+    batching = choose_batching(model, "packed")
+    assert batching.flash_varlen
+    rows = pack(chat_examples[:12], 128)
+    collate = RowCollator("packed", tokenizer.pad_token_id, flash_varlen=True)
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in collate(rows).items()}
+    total, count = _loss_sum_and_count(model, batch)
+    alone = []
+    for e in chat_examples[:12]:
+        single = {k: v.cuda() if torch.is_tensor(v) else v for k, v in collate(one_per_row([e])).items()}
+        alone.append(_loss_sum_and_count(model, single))
+    expected = sum(s for s, _ in alone) / sum(n for _, n in alone)
+    # bf16 activations: 1e-2 relative covers their rounding (8 mantissa bits, ~4e-3 per op).
+    assert total / count == pytest.approx(expected, rel=1e-2)

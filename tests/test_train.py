@@ -1,0 +1,213 @@
+"""Training: the report and adapter, atomic checkpoints, exact resume (also after a micro-batch downshift)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, TrainerControl, TrainerState
+
+from slimtune.data import load_examples
+from slimtune.spec import DataSpec, TrainSpec
+from slimtune.tiny import DATA_FILE, save_tiny
+from slimtune.train import PrefectProgressCallback, latest_checkpoint, train_adapter
+from slimtune.train.checkpoints import COMPLETE
+
+CRASH_AT, SAVE_EVERY = 5, 3  # the crash comes after checkpoint-3 and before checkpoint-6
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+class _CrashAt(TrainerCallback):
+    """Raises at the end of optimizer step `step`, like a process dying mid-run."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise _Crash(f"interrupted at step {self.step}")
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> Path:
+    # A smaller llama than the builtin (hidden 64, 2 layers) keeps each step to milliseconds.
+    return save_tiny(tmp_path_factory.mktemp("base"), "llama", hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(base_dir):
+    return AutoTokenizer.from_pretrained(base_dir)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> DataSpec:
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    lines = DATA_FILE.read_text(encoding="utf-8").splitlines()[:44]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return DataSpec(path=str(path), max_seq_length=96, eval_fraction=0.1)
+
+
+@pytest.fixture(scope="module")
+def examples(data, tokenizer):
+    return load_examples(data, tokenizer)
+
+
+def _model(base_dir: Path, **load_kw):
+    torch.manual_seed(0)  # the LoRA A matrices are random: every run must start from the same ones
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa",
+                                                 **load_kw)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                            target_modules=targets))
+
+
+def _train(base_dir, tokenizer, examples, data, run_dir, *, mb=2, accum=1, callbacks=None, model=None,
+           **spec):
+    train = TrainSpec(**{"learning_rate": 5e-3, "epochs": 1, "warmup_steps": 2, "save_steps": SAVE_EVERY,
+                         "save_total_limit": 2, "seed": 0, **spec})
+    return train_adapter(model or _model(base_dir), tokenizer, examples, train, data, run_dir,
+                         micro_batch_size=mb, gradient_accumulation_steps=accum, callbacks=callbacks)
+
+
+@pytest.fixture(scope="module")
+def full_run(base_dir, tokenizer, examples, data, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("full")
+    return run_dir, _train(base_dir, tokenizer, examples, data, run_dir)
+
+
+@pytest.fixture(scope="module")
+def crashed_run(base_dir, tokenizer, examples, data, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("crashed")
+    with pytest.raises(_Crash):
+        _train(base_dir, tokenizer, examples, data, run_dir, callbacks=[_CrashAt(CRASH_AT)])
+    return run_dir
+
+
+def _losses(report, after: int) -> list[tuple[int, float]]:
+    return [(e["step"], e["loss"]) for e in report.losses if e["step"] > after]
+
+
+def test_training_lowers_eval_loss_and_writes_adapter_and_report(full_run, base_dir, examples):
+    run_dir, report = full_run
+    assert report.steps >= CRASH_AT + 2
+    assert [e["step"] for e in report.losses] == list(range(1, report.steps + 1))
+    assert report.eval_loss_after < report.eval_loss_before
+    assert report.tokens_seen == examples.counts.train_tokens  # one epoch: every train token once
+    assert report.packing_efficiency > 0.5 and 0 <= report.padding_waste < 0.5 and report.tokens_per_s > 0
+    saved = json.loads((run_dir / "train_report.json").read_text())
+    assert saved["eval_loss_after"] == report.eval_loss_after and saved["resumed_from"] is None
+    # The adapter loads with peft over the base and changes its output.
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    ids = torch.tensor([examples.eval[0].input_ids])
+    with torch.no_grad():
+        before = base(ids).logits
+        after = PeftModel.from_pretrained(base, run_dir / "adapter")(ids).logits
+    assert (after - before).abs().max() > 1e-3
+    assert (run_dir / "adapter" / "tokenizer.json").is_file()
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] != []
+    assert all((p / COMPLETE).is_file() for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_resume_after_crash_gives_the_same_losses(full_run, crashed_run, base_dir, tokenizer, examples, data):
+    _, full = full_run
+    run_dir = crashed_run
+    assert latest_checkpoint(run_dir / "checkpoints").name == f"checkpoint-{SAVE_EVERY}"
+    # Leftovers of a crash during a save: an unmarked checkpoint and a staging folder; both must be ignored.
+    (run_dir / "checkpoints" / "checkpoint-6").mkdir()
+    (run_dir / "checkpoints" / ".staging" / "checkpoint-6").mkdir(parents=True)
+    resumed = _train(base_dir, tokenizer, examples, data, run_dir)
+    assert resumed.resumed_from.endswith(f"checkpoint-{SAVE_EVERY}")
+    assert not (run_dir / "checkpoints" / ".staging").exists()
+    # Same process, same thread count, fp32: the resumed steps are bit-identical to the uninterrupted run.
+    assert _losses(resumed, SAVE_EVERY) == _losses(full, SAVE_EVERY)
+    assert resumed.eval_loss_before == full.eval_loss_before
+    assert resumed.eval_loss_after == full.eval_loss_after
+    assert resumed.tokens_seen == full.tokens_seen
+
+
+def test_resume_with_smaller_micro_batch_after_downshift(full_run, crashed_run, base_dir, tokenizer, examples,
+                                                         data, tmp_path):
+    _, full = full_run
+    run_dir = tmp_path / "downshift"
+    shutil.copytree(crashed_run, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / f"checkpoint-{SAVE_EVERY * 2}", ignore_errors=True)
+    resumed = _train(base_dir, tokenizer, examples, data, run_dir, mb=1, accum=2)
+    assert resumed.resumed_from is not None and resumed.micro_batch_size == 1
+    got, want = _losses(resumed, SAVE_EVERY), _losses(full, SAVE_EVERY)
+    assert [s for s, _ in got] == [s for s, _ in want]
+    # Same rows per step, loss normalised over the whole window; only summation order differs (~1e-7).
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], abs=1e-5)
+
+
+def test_changed_settings_do_not_resume_old_checkpoints(full_run, base_dir, tokenizer, examples, data,
+                                                        tmp_path):
+    run_dir = tmp_path / "changed"
+    shutil.copytree(full_run[0], run_dir)
+    report = _train(base_dir, tokenizer, examples, data, run_dir, learning_rate=1e-3, max_steps=2)
+    assert report.resumed_from is None and report.steps == 2
+    assert (run_dir / "checkpoints.previous").is_dir()
+
+
+def test_nf4_base_on_cpu_trains(base_dir, tokenizer, examples, data, tmp_path):
+    from transformers import BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_compute_dtype=torch.float32)
+    model = _model(base_dir, quantization_config=quant)
+    assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
+    report = _train(base_dir, tokenizer, examples, data, tmp_path / "nf4", model=model, max_steps=3)
+    assert report.steps == 3 and all(torch.isfinite(torch.tensor(e["loss"])) for e in report.losses)
+    assert (tmp_path / "nf4" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_prefect_progress_callback_is_a_no_op_outside_prefect():
+    callback = PrefectProgressCallback(key="Tiny Run_1")
+    state = TrainerState(global_step=1, max_steps=10)
+    callback.on_train_begin(None, state, TrainerControl())
+    callback.on_step_end(None, state, TrainerControl())
+    assert callback.artifact_id is None and callback.key == "tiny-run-1"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer, expected", [("adamw_torch", "adamw_torch_fused"),
+                                                 ("paged_adamw_8bit", "paged_adamw_8bit")])
+def test_gpu_training_uses_bf16_and_the_gpu_optimizers(base_dir, tokenizer, examples, data, tmp_path,
+                                                        optimizer, expected):
+    model = _model(base_dir).to("cuda")
+    report = _train(base_dir, tokenizer, examples, data, tmp_path / "gpu", model=model, optimizer=optimizer,
+                    learning_rate=1e-2)
+    precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    assert report.precision == precision and report.optimizer == expected
+    assert report.eval_loss_after < report.eval_loss_before
+
+
+def test_prefect_progress_callback_updates_artifact_in_a_run(monkeypatch):
+    import prefect.artifacts
+
+    import slimtune.train.callbacks as callbacks
+
+    calls = []
+    monkeypatch.setattr(callbacks, "_in_prefect_run", lambda: True)
+    def create(progress, key=None, description=None):
+        calls.append(("create", progress))
+        return "id"
+
+    monkeypatch.setattr(prefect.artifacts, "create_progress_artifact", create)
+    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact",
+                        lambda artifact_id, progress, description=None: calls.append((artifact_id, progress)))
+    callback = PrefectProgressCallback(key="run", updates=4)
+    state = TrainerState(global_step=0, max_steps=8)
+    callback.on_train_begin(None, state, TrainerControl())
+    for step in range(1, 9):
+        state.global_step = step
+        callback.on_step_end(None, state, TrainerControl())
+    # At most 4 updates: every 25% of the 8 steps.
+    assert calls == [("create", 0.0), ("id", 25.0), ("id", 50.0), ("id", 75.0), ("id", 100.0)]
