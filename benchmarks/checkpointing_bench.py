@@ -170,6 +170,8 @@ _CONFIGS: dict[str, tuple[Any, str | list[str] | None]] = {  # name -> (mode, sl
     "slimtune_unsloth": ("unsloth", ["fused_linear_ce"]),
     "slimtune_unsloth+hf_loss": ("unsloth", None),
     "slimtune_unsloth+kernels": ("unsloth", "auto"),
+    # auto without the fused NF4 LoRA linear: is it worth its place in auto?
+    "slimtune_unsloth+kernels-lora_nf4": ("unsloth", ["rms_norm", "rope", "swiglu", "fused_linear_ce"]),
     "slimtune_false": (False, ["fused_linear_ce"]),  # last: the likeliest to run out of memory
 }
 

@@ -1,0 +1,130 @@
+"""load_4bit and attach_lora on every supported family, and the errors for what we cannot load."""
+
+import json
+import shutil
+
+import bitsandbytes as bnb
+import pytest
+import torch
+
+from slimtune import registry
+from slimtune.model_source import ModelSourceError, check_model_dir
+from slimtune.spec import ModelSpec, PipelineSpec
+from slimtune.tasks.attach_lora import attach_lora
+from slimtune.tasks.load_4bit import load_4bit
+from slimtune.tiny import FAMILIES, save_tiny
+
+
+@pytest.fixture(autouse=True)
+def _empty_registry():
+    yield
+    registry.release_all()
+
+
+def _spec(path, **lora) -> PipelineSpec:
+    spec = PipelineSpec()
+    spec.model = ModelSpec(name_or_path=str(path), device="cpu")
+    for key, value in lora.items():
+        setattr(spec.lora, key, value)
+    return spec
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_loads_in_nf4_and_trains(family, tmp_path):
+    model_dir = save_tiny(tmp_path / family, family)
+    spec = _spec(model_dir, gradient_checkpointing="unsloth", dropout=0.0)
+    loaded = load_4bit(spec)
+    model = registry.get(loaded.handle)
+    linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert loaded.linear_4bit == len(linears) == 7 * 4  # 7 projections x 4 layers; lm_head stays 16-bit
+    assert linears[0].weight.quant_state.nested  # double quantization
+    assert linears[0].weight.quant_type == "nf4"
+    lora = attach_lora(spec, loaded.handle)
+    peft_model = registry.get(lora.handle)
+    assert lora.trainable_parameters == sum(p.numel() for p in peft_model.parameters() if p.requires_grad) > 0
+    assert all("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
+    ids = torch.randint(0, 800, (2, 24))
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(4):
+        loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_rslora_all_linear_and_bias_options(tmp_path):
+    model_dir = save_tiny(tmp_path / "m", "llama")
+    spec = _spec(model_dir, target_modules="all-linear", use_rslora=True, r=8, alpha=16, bias="lora_only",
+                 gradient_checkpointing=False)
+    lora = attach_lora(spec, load_4bit(spec).handle)
+    config = registry.get(lora.handle).peft_config["default"]
+    assert config.use_rslora and config.r == 8
+    assert set(lora.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_train_embeddings_keeps_trainable_copies_and_offloads_originals(tmp_path):
+    model_dir = save_tiny(tmp_path / "m", "llama")
+    spec = _spec(model_dir, train_embeddings=True, gradient_checkpointing=False)
+    lora = attach_lora(spec, load_4bit(spec).handle)
+    model = registry.get(lora.handle)
+    wrapped = [m for n, m in model.named_modules() if n.endswith(("embed_tokens", "lm_head"))
+               and hasattr(m, "original_module")]
+    assert len(wrapped) == 2
+    for m in wrapped:
+        assert all(p.device.type == "cpu" and not p.requires_grad for p in m.original_module.parameters())
+        assert all(p.requires_grad and p.dtype == torch.float32 for p in m.modules_to_save.parameters())
+
+
+def test_tied_embeddings_cannot_be_trained_separately(tmp_path):
+    model_dir = save_tiny(tmp_path / "g", "gemma")
+    spec = _spec(model_dir, train_embeddings=True)
+    with pytest.raises(ValueError, match="lora.train_embeddings"):
+        attach_lora(spec, load_4bit(spec).handle)
+
+
+def test_unsupported_architecture_is_refused_before_loading(tmp_path):
+    model_dir = save_tiny(tmp_path / "m", "llama")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["model_type"], cfg["architectures"] = "gpt_neox", ["GPTNeoXForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelSourceError, match="architecture 'gpt_neox' .* not supported; slimtune supports llama"):
+        load_4bit(_spec(model_dir))
+
+
+def test_pickle_weights_need_explicit_opt_in(tmp_path):
+    model_dir = save_tiny(tmp_path / "m", "llama")
+    from safetensors.torch import load_file
+
+    torch.save(load_file(model_dir / "model.safetensors"), model_dir / "pytorch_model.bin")
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelSourceError, match="model.allow_pickle"):
+        check_model_dir(ModelSpec(name_or_path=str(model_dir)), model_dir)
+    spec = _spec(model_dir)
+    spec.model.allow_pickle = True
+    assert load_4bit(spec).linear_4bit == 28
+
+
+def test_missing_config_and_merged_models_are_refused(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelSourceError, match="no config.json"):
+        check_model_dir(ModelSpec(name_or_path=str(empty)), empty)
+    model_dir = save_tiny(tmp_path / "m", "llama")
+    merged = tmp_path / "merged"
+    shutil.copytree(model_dir, merged)
+    cfg = json.loads((merged / "config.json").read_text())
+    cfg["slimtune_merged"] = {"adapter": "abc"}
+    (merged / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelSourceError, match="already merged"):
+        check_model_dir(ModelSpec(name_or_path=str(merged)), merged)
+
+
+def test_gpu_requested_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = _spec(save_tiny(tmp_path / "m", "llama"))
+    spec.model.device = "cuda"
+    with pytest.raises(RuntimeError, match="no CUDA GPU is visible; use model.device: cpu"):
+        load_4bit(spec)
