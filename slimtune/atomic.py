@@ -6,8 +6,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -16,6 +14,7 @@ def write_text(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp creates 0600; reports and state are meant to be readable
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -32,19 +31,16 @@ def write_json(path: Path, data: object) -> Path:
     return write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
-@contextmanager
-def staged_dir(final: Path) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces `final`, on failure it is removed."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        yield tmp
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Publish the finished folder `tmp` as `final`, replacing an older `final`.
+
+    The old folder is first renamed aside, so at every moment `final` is either the complete old or
+    the complete new folder (two renames apart), and it is deleted only once the new one is in place.
+    """
+    old = None
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent)) / "previous"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old.parent, ignore_errors=True)

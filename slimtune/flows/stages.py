@@ -40,6 +40,7 @@ from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 from slimtune.tasks.load_4bit import load_4bit
 from slimtune.tasks.packed_sft import packed_sft
+from slimtune.train import ddp
 
 log = logging.getLogger(__name__)
 STAGES = ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push")
@@ -89,20 +90,25 @@ def _task(name: str, run_name: str):
 @_task("load_4bit", "load_4bit [{spec.name}]")
 def load_4bit_task(spec: PipelineSpec) -> dict:
     """Load the base model in NF4; the model stays in the process registry."""
+    if spec.train.num_gpus > 1:
+        return ddp.deferred("load_4bit", spec)
     cfg = read_config(local_model_dir(spec.model))
     with _guard("load_4bit", spec, estimate_load_4bit(cfg, compute_dtype_bytes=2)):
         return load_4bit(spec).to_dict()
 
 
 @_task("attach_lora", "attach_lora [{spec.name}]")
-def attach_lora_task(spec: PipelineSpec, handle: str) -> dict:
+def attach_lora_task(spec: PipelineSpec, handle: str | None) -> dict:
     """Attach LoRA and the chosen gradient checkpointing."""
+    if spec.train.num_gpus > 1:
+        return ddp.deferred("attach_lora", spec)
     with _guard("attach_lora", spec, None):
         return attach_lora(spec, handle).to_dict()
 
 
 @_task("packed_sft", "packed_sft [{spec.name}]")
-def packed_sft_task(spec: PipelineSpec, handle: str, checkpointing_handle: str, examples_handle: str) -> dict:
+def packed_sft_task(spec: PipelineSpec, handle: str | None, checkpointing_handle: str | None,
+                    examples_handle: str) -> dict:
     """Train; each out-of-memory retry halves the micro-batch (doubling accumulation), then offloads."""
     shift = downshift_train(spec.train.micro_batch_size, spec.train.gradient_accumulation_steps,
                             spec.lora.gradient_checkpointing, current_attempt())
@@ -113,6 +119,9 @@ def packed_sft_task(spec: PipelineSpec, handle: str, checkpointing_handle: str, 
                          lora_r=spec.lora.r, target_modules=spec.lora.target_modules,
                          checkpointing=shift.checkpointing)
     with _guard("packed_sft", spec, est, shift.notes):
+        if spec.train.num_gpus > 1:  # torchrun workers load, attach and train; rank 0 writes
+            return ddp.launch(spec, micro_batch_size=shift.micro_batch, gradient_accumulation_steps=shift.grad_accum,
+                              gradient_checkpointing=shift.checkpointing)
         report = packed_sft(spec, handle, checkpointing_handle, examples_handle,
                             micro_batch_size=shift.micro_batch, gradient_accumulation_steps=shift.grad_accum,
                             gradient_checkpointing=shift.checkpointing)

@@ -294,6 +294,12 @@ def _patch_fused_ce(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
     return 1
 
 
+# Below this many tokens per call the fused path loses to peft + bitsandbytes. Measured on an H200, 8B
+# shape, "unsloth" checkpointing: at 2048 tokens (batch 1) 7048 tok/s with it vs 8781 without; at 8192
+# tokens (batch 4) 10515 with it vs 10215 without.
+LORA_NF4_MIN_TOKENS = 4096
+
+
 def _patch_lora_nf4(base: torch.nn.Module, family: str, patch: KernelPatch) -> int | str:
     try:
         from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
@@ -304,11 +310,12 @@ def _patch_lora_nf4(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
     def impl(mod, original, x, *args, **kwargs):
         name = mod.active_adapters[0] if len(mod.active_adapters) == 1 else None
         fast = (not args and not kwargs and name is not None and not mod.disable_adapters and not mod.merged
-                and name in mod.lora_A and name not in getattr(mod, "lora_variant", {}))
+                and name in mod.lora_A and name not in getattr(mod, "lora_variant", {})
+                and x.numel() // x.shape[-1] >= LORA_NF4_MIN_TOKENS)
         if fast:
             drop = mod.lora_dropout[name]
             fast = isinstance(drop, torch.nn.Identity) or drop.p == 0 or not drop.training
-        if not fast:  # DoRA, dropout, mixed adapters, merged: peft's own forward is correct there
+        if not fast:  # few tokens, DoRA, dropout, mixed adapters, merged: peft's own forward is right there
             return original(x, *args, **kwargs)
         layer = mod.base_layer
         dtype = getattr(layer, "compute_dtype", None) or x.dtype

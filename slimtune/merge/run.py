@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -12,6 +11,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+
+from slimtune import atomic
 
 from .errors import AlreadyMergedError, MergeError
 from .lora_delta import ADAPTER_FILES, check_against_base, load_adapter
@@ -105,17 +106,6 @@ def _resolve_source(source: str, prequantized: bool, entries: list[TensorEntry],
     return "original" if source == "auto" else source
 
 
-def _publish(tmp: Path, out_dir: Path) -> None:
-    """Rename the finished temporary directory onto `out_dir`, replacing a stale previous merge."""
-    if not out_dir.exists():
-        os.replace(tmp, out_dir)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    os.replace(out_dir, old / "previous")
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, *,
                   source: Literal["dequantized", "original", "auto"] = "auto",
                   maximum_memory_usage: float = 0.9, temporary_location: Path | None = None,
@@ -193,7 +183,7 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, *,
                              "source": source_used})
             outputs.update(hash_files({p.name: p for p in tmp.iterdir() if p.name not in outputs}))
             write_manifest(tmp, inputs, params, outputs)
-            _publish(tmp, out_dir)
+            atomic.replace_dir(tmp, out_dir)
     finally:
         held.close()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
+
+from slimtune import atomic
 
 log = logging.getLogger(__name__)
 
@@ -24,34 +23,6 @@ STAGING = ".staging"
 COMPLETE = "COMPLETE"
 STATE_FILE = "slimtune_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON to a temporary file next to `path`, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp creates 0600; reports and state are meant to be readable
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Publish the finished folder `tmp` as `final`, replacing an older `final` without a gap in which
-    neither is complete on disk for longer than two renames."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.monotonic_ns()}")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -93,10 +64,10 @@ def read_state(checkpoint: Path) -> dict:
 
 def commit(staged: Path, root: Path, state: dict, keep: int) -> Path:
     """Finish a staged checkpoint (state + marker), rename it into `root` and keep the newest `keep`."""
-    write_json_atomic(staged / STATE_FILE, state)
-    write_json_atomic(staged / COMPLETE, {"step": state.get("step"), "time": time.time()})
+    atomic.write_json(staged / STATE_FILE, state)
+    atomic.write_json(staged / COMPLETE, {"step": state.get("step"), "time": time.time()})
     final = root / staged.name
-    replace_dir(staged, final)
+    atomic.replace_dir(staged, final)
     for old in complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

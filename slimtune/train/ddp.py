@@ -75,7 +75,8 @@ def _worker_env(nproc: int) -> dict[str, str]:
 
 def launch(spec: PipelineSpec, *, micro_batch_size: int, gradient_accumulation_steps: int,
            gradient_checkpointing: bool | str) -> dict:
-    """Train with `spec.train.num_gpus` torchrun workers; returns rank 0's TrainReport dict plus `ddp`.
+    """Train with `spec.train.num_gpus` torchrun workers; returns rank 0's TrainReport dict plus world_size,
+    backend, per-rank throughput (`ranks`) and `tokens_per_s_all_ranks`.
 
     The arguments are the (possibly downshifted) per-process values of the packed_sft task. A worker's
     out-of-memory error is re-raised here as `torch.OutOfMemoryError`, so that the memory guard retries
@@ -174,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         mine = {"rank": rank, "tokens_per_s": report["tokens_per_s"], "tokens_seen": report["tokens_seen"]}
         ranks: list = [None] * world
         dist.all_gather_object(ranks, mine)
-        if rank == 0:
-            report["ddp"] = {"world_size": world, "backend": job["backend"], "ranks": ranks,
-                             "tokens_per_s_total": sum(r["tokens_per_s"] for r in ranks)}
+        if rank == 0:  # flat keys: the run report renders them as rows of the packed_sft table
+            report.update(world_size=world, backend=job["backend"], ranks=ranks,
+                          tokens_per_s_all_ranks=sum(r["tokens_per_s"] for r in ranks))
             atomic.write_json(job_dir / RESULT_FILE, report)
     except BaseException as e:
         from slimtune.memory.errors import classify

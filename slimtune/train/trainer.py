@@ -27,6 +27,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from slimtune.data import (TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack,
                            packing_efficiency)
+from slimtune import atomic
 from slimtune.spec import DataSpec, TrainSpec
 from slimtune.train import checkpoints
 from slimtune.train.callbacks import LogCallback, PrefectProgressCallback
@@ -100,6 +101,12 @@ class _SlimTrainer(Trainer):
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
+        if not self.args.should_save:
+            # Under DDP rank 0 alone writes checkpoints: the LoRA weights and optimizer state are identical
+            # on every rank (all-reduced gradients); a second writer would race on the staging folder. The
+            # other ranks still join store_flos, the one collective in Trainer._save_checkpoint (5.23).
+            self.store_flos()
+            return
         root = Path(self.args.output_dir)
         staging = root / checkpoints.STAGING
         shutil.rmtree(staging, ignore_errors=True)
@@ -131,6 +138,18 @@ class _SlimTrainer(Trainer):
         super().log(logs, start_time)
 
 
+class _EvalBefore(TrainerCallback):
+    """Keeps the loss of the eval_on_start pass and restarts the tokens/s window after it."""
+
+    def __init__(self, trainer: "_SlimTrainer") -> None:
+        self.trainer = trainer
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs) -> None:
+        if state.global_step == 0 and metrics and "eval_loss" in metrics:
+            self.trainer.checkpoint_state["eval_loss_before"] = metrics["eval_loss"]
+            self.trainer.meter.flush()
+
+
 def train_adapter(model, tokenizer, examples: Examples, train: TrainSpec, data: DataSpec, run_dir: Path, *,
                   micro_batch_size: int, gradient_accumulation_steps: int,
                   callbacks: list[TrainerCallback] | None = None) -> TrainReport:
@@ -153,13 +172,13 @@ def train_adapter(model, tokenizer, examples: Examples, train: TrainSpec, data: 
     efficiency = packing_efficiency(train_rows, data.max_seq_length)
     precision = resolve_precision(train.precision, device)
     optim = resolve_optimizer(train.optimizer, device)
-    fingerprint = _fingerprint(examples, train, data, micro_batch_size * gradient_accumulation_steps,
-                               batching.mode)
-
     ckpt_root = run_dir / "checkpoints"
-    resume_from, eval_before = _find_resume(ckpt_root, fingerprint, train.resume)
     args = _arguments(train, ckpt_root, micro_batch_size, gradient_accumulation_steps, precision, optim,
                       device, has_eval=bool(eval_rows))
+    fingerprint = _fingerprint(examples, train, data,
+                               micro_batch_size * gradient_accumulation_steps * args.world_size, batching.mode)
+    with args.main_process_first(desc="checkpoint discovery"):  # rank 0 alone removes or moves old ones
+        resume_from, eval_before = _find_resume(ckpt_root, fingerprint, train.resume)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     collator = RowCollator(batching.mode, pad_id if pad_id is not None else 0,
                            flash_varlen=batching.flash_varlen,
@@ -172,16 +191,20 @@ def train_adapter(model, tokenizer, examples: Examples, train: TrainSpec, data: 
         checkpoint_state={"fingerprint": fingerprint, "eval_loss_before": None,
                           "micro_batch_size": micro_batch_size,
                           "gradient_accumulation_steps": gradient_accumulation_steps})
-    if resume_from is None and eval_rows:
-        eval_before = trainer.evaluate()["eval_loss"]
-    trainer.checkpoint_state["eval_loss_before"] = eval_before
-    trainer.meter.flush()  # the first tokens/s window starts with training, not with the eval above
+    # The eval before training runs inside train() (eval_on_start), after DDP has wrapped the model: an
+    # evaluate() before train() marks the model prepared, and accelerate then skips the DDP wrap (ranks
+    # silently diverge: verified with 2 gloo ranks, transformers 5.23 + accelerate).
+    trainer.args.eval_on_start = resume_from is None and bool(eval_rows)
+    trainer.add_callback(_EvalBefore(trainer))
     began = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    eval_before = trainer.checkpoint_state["eval_loss_before"] if eval_before is None else eval_before
     train_seconds = time.perf_counter() - began
     eval_after = trainer.evaluate()["eval_loss"] if eval_rows else None
 
-    adapter_dir = _save_adapter(model, tokenizer, run_dir / "adapter")
+    adapter_dir = run_dir / "adapter"
+    if trainer.is_world_process_zero():  # under DDP rank 0 alone writes the adapter and the report
+        _save_adapter(model, tokenizer, adapter_dir)
     history = trainer.state.log_history
     losses = [{"step": e["step"], "loss": e["loss"], "learning_rate": e.get("learning_rate")}
               for e in history if "loss" in e]
@@ -198,7 +221,9 @@ def train_adapter(model, tokenizer, examples: Examples, train: TrainSpec, data: 
         seconds=time.perf_counter() - start, micro_batch_size=micro_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps, optimizer=optim, precision=precision,
         adapter_dir=str(adapter_dir), data=examples.summary())
-    checkpoints.write_json_atomic(run_dir / REPORT_FILE, asdict(report))
+    if trainer.is_world_process_zero():
+        atomic.write_json(run_dir / REPORT_FILE, asdict(report))
+    trainer.accelerator.wait_for_everyone()  # no rank returns before the adapter exists
     log.info("trained %d steps in %.1f s: eval loss %s -> %s", report.steps, report.seconds, eval_before,
              eval_after)
     return report
@@ -227,6 +252,7 @@ def _arguments(train: TrainSpec, output_dir: Path, micro_batch_size: int, accumu
         # activation_checkpointing stays at its default (off): the model's own setting (configured by
         # attach_lora, possibly the offloaded variant) must not be replaced by Trainer's.
         use_cpu=device.type == "cpu", report_to="none",
+        ddp_find_unused_parameters=False,  # every LoRA weight is used every step
         remove_unused_columns=False, label_names=["labels"], dataloader_num_workers=0,
         include_num_input_tokens_seen="no")
 
@@ -268,5 +294,5 @@ def _save_adapter(model, tokenizer, final: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    checkpoints.replace_dir(tmp, final)
+    atomic.replace_dir(tmp, final)
     return final

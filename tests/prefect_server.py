@@ -1,0 +1,125 @@
+"""A real `prefect server start` and `prefect worker start` as subprocesses, for tests that need them.
+
+Deployments, workers, schedules, crash hooks and the UI only exist with a real server; the in-process
+test harness has none of them. Every process starts in its own session so that `stop` ends it and
+every child it spawned (flow runs, torchrun) by process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+# A loaded 2-core machine takes 10-60 s to start the server (migrations, then the UI's static files).
+_START_TIMEOUT_S = 150
+
+
+@dataclass
+class Server:
+    """A running server: its API URL, the environment that points clients at it, and its home."""
+
+    url: str
+    env: dict[str, str]
+    home: Path
+    proc: subprocess.Popen
+
+    def prefect(self, *args: str, cwd: Path | None = None, timeout: float = 180) -> str:
+        """Run the `prefect` CLI against this server; returns its output, fails with it on a non-zero exit."""
+        done = subprocess.run([sys.executable, "-m", "prefect", *args], env=self.env, cwd=cwd or self.home,
+                              capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise AssertionError(f"prefect {' '.join(args)} exited {done.returncode}:\n"
+                                 f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        return done.stdout + done.stderr
+
+    def log(self, name: str) -> str:
+        """The tail of a process log written under the server's home."""
+        path = self.home / name
+        return path.read_text(errors="replace")[-4000:] if path.is_file() else ""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
+    """Start `cmd` in its own session, output to `log`."""
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End `proc` and its process group: SIGTERM, then SIGKILL after 10 s."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def start_server(home: Path, finalize: Callable[[Callable[[], None]], None], *, ui: bool = False,
+                 extra_env: dict[str, str] | None = None) -> Server:
+    """Start `prefect server start` on a free port of 127.0.0.1 with its home in `home`; wait until healthy.
+
+    Args:
+        finalize: registers the teardown (pytest's `request.addfinalizer`).
+        ui: also serve the UI (at the server's root URL); off by default, it only slows the start.
+    """
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "true" if ui else "false",
+        "PREFECT_UI_API_URL": url,
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+        **(extra_env or {}),
+    }
+    proc = start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                 env, home / "server.log")
+    finalize(lambda: stop(proc))
+    server = Server(url, env, home, proc)
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise AssertionError(f"prefect server exited:\n{server.log('server.log')}")
+        time.sleep(0.5)
+    raise AssertionError(f"prefect server did not become healthy in {_START_TIMEOUT_S} s:\n{server.log('server.log')}")
+
+
+def start_worker(server: Server, pool: str, finalize: Callable[[Callable[[], None]], None], *,
+                 cwd: Path | None = None, limit: int | None = None) -> subprocess.Popen:
+    """Start a process worker on `pool`; its log is `worker.log` under the server's home."""
+    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"]
+    if limit is not None:
+        cmd += ["--limit", str(limit)]
+    worker = start(cmd, server.env, server.home / "worker.log", cwd=cwd)
+    finalize(lambda: stop(worker))
+    return worker
