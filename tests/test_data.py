@@ -153,10 +153,13 @@ def test_skip_mode_counts_malformed_records(tokenizer, tmp_path):
 
 
 def test_parquet_file(tokenizer, tmp_path):
-    pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
+    import pyarrow.parquet as pq  # in the test extra, so this always runs
 
-    path = tmp_path / "d.parquet"
-    pq.write_table(pa.Table.from_pylist([{"text": "hello"}, {"text": 3}]), path)
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist([{"text": "hello world"}, {"text": "the capital of France"}]), good)
+    assert _load(tokenizer, good).counts.records == 2
+    path = tmp_path / "d.parquet"  # a column has one type, so a bad row is a null
+    pq.write_table(pa.Table.from_pylist([{"text": "hello"}, {"text": None}]), path)
     with pytest.raises(DataError, match="row 2: field 'text'"):
         _load(tokenizer, path)
