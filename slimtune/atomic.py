@@ -44,3 +44,18 @@ def replace_dir(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
     if old is not None:
         shutil.rmtree(old.parent, ignore_errors=True)
+
+
+def sweep_leftovers(folder: Path, name: str) -> list[Path]:
+    """Remove what a killed writer of `name` left in `folder`: its `.{name}.*` temporaries and old copies.
+
+    Call it before writing `name` again. Two writers of the same output at once are already a conflict;
+    this assumes there is at most one.
+    """
+    removed = sorted(folder.glob(f".{name}.*")) if folder.is_dir() else []
+    for path in removed:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return removed

@@ -57,6 +57,8 @@ def check_model_dir(model: ModelSpec, model_dir: Path) -> dict:
     if cfg.get("slimtune_merged"):
         raise ModelSourceError(f"model.name_or_path: {model_dir} is a model slimtune already merged an "
                                "adapter into; fine-tune its original base instead")
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        _check_shard(shard)
     has_safetensors = any(model_dir.glob("*.safetensors"))
     has_pickle = any(p.suffix in _PICKLE_SUFFIXES for p in model_dir.iterdir())
     if not has_safetensors:
@@ -68,3 +70,30 @@ def check_model_dir(model: ModelSpec, model_dir: Path) -> dict:
                 "when loaded; convert them to safetensors, or set model.allow_pickle: true to load them "
                 "with weights_only=True")
     return cfg
+
+
+def _check_shard(shard: Path) -> None:
+    """Refuse a truncated or damaged safetensors file before a library fails deep inside on it.
+
+    The format is an 8-byte little-endian header length, a JSON header with each tensor's data offsets,
+    then the data: a complete file is exactly 8 + header + the largest end offset bytes long.
+    """
+    size = shard.stat().st_size
+    problem = None
+    with shard.open("rb") as f:
+        raw = f.read(8)
+        header_len = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if header_len < 2 or 8 + header_len > size:
+            problem = "its header is cut short"
+        else:
+            try:
+                header = json.loads(f.read(header_len))
+                end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, KeyError, TypeError, IndexError):
+                problem = "its header is not valid safetensors JSON"
+            else:
+                if 8 + header_len + end != size:
+                    problem = f"it holds {size} bytes but its header describes {8 + header_len + end}"
+    if problem:
+        raise ModelSourceError(f"model.name_or_path: {shard} is truncated or damaged ({problem}); download "
+                               "or copy the model again")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 _lock = threading.Lock()
@@ -31,6 +32,14 @@ def get(handle: str) -> Any:
             raise KeyError(f"no live object {handle!r}: it was released by cleanup or belongs to another "
                            "process (live models never cross process boundaries; re-run load_4bit)")
         return _objects[handle]
+
+
+def setdefault(key: str, make: Callable[[], Any]) -> Any:
+    """The object stored under `key`, storing `make()` there first if there is none."""
+    with _lock:
+        if key not in _objects:
+            _objects[key] = make()
+        return _objects[key]
 
 
 def replace(handle: str, obj: Any) -> None:

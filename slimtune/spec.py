@@ -23,6 +23,7 @@ DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 GGUF_NATIVE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q5_0")
 GGUF_LLAMA_CPP = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
                   "iq4_xs", "iq4_nl")
+MAX_CRASH_RESUBMITS = 10
 GGUF_ALIASES = {"not_quantized": "f16", "fast_quantized": "q8_0", "quantized": "q4_k_m"}
 
 
@@ -236,7 +237,7 @@ class GuardSpec(_Section):
         "its budget instead of starving other processes.")
     preflight: bool = Field(True, description="Fail before allocating when the estimate exceeds what is "
                             "free.")
-    max_crash_resubmits: int = Field(2, ge=0, le=10, description="Times a run killed by the host "
+    max_crash_resubmits: int = Field(2, ge=0, le=MAX_CRASH_RESUBMITS, description="Times a run killed by the host "
                                      "(e.g. the OOM killer) is re-submitted, downshifted.")
 
 

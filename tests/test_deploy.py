@@ -78,7 +78,7 @@ def test_worker_runs_the_deployed_tiny_pipeline(tmp_path, request):
     server.prefect("work-pool", "create", _POOL, "--type", "process", "--base-job-template",
                    str(REPO / "deployments" / "process" / "gpu-hosts.json"))
     server.prefect("work-pool", "set-concurrency-limit", _POOL, "1")
-    server.prefect("global-concurrency-limit", "create", "cpu", "--limit", "1")  # the tiny specs' device slot
+    server.prefect("global-concurrency-limit", "create", "gpu", "--limit", "1")  # the flow's GPU slot
     out = server.prefect("--no-prompt", "deploy", "--all", cwd=REPO)
     assert "finetune/tiny-smoke" in out, out
 

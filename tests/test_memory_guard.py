@@ -191,13 +191,13 @@ def test_preflight_counts_gpu_terms_as_host_on_cpu_and_checks_disk(tmp_path):
         host_bytes=available // 2,
         disk_bytes=10**18,
         breakdown={"gpu: nf4 linears": available, "disk: merged model": 10**18},
-        fields={"gpu": "train.micro_batch_size", "host": "host memory", "disk": "merge.output_dir"},
+        fields={"gpu": "train.micro_batch_size", "host": "host memory", "disk": "output_dir"},
     )
     with pytest.raises(PreflightError) as info:
         preflight(est, device="cpu", disk_path=tmp_path / "not" / "yet", stage="dequant_merge")
     msg = str(info.value)
     assert "host memory" in msg and "train.micro_batch_size" in msg
-    assert "disk space" in msg and "merge.output_dir" in msg and str(tmp_path) in msg
+    assert "disk space" in msg and "output_dir" in msg and str(tmp_path) in msg
     # A small estimate passes.
     preflight(Estimate(0, 1, 1), device="cpu", disk_path=tmp_path)
 

@@ -14,6 +14,7 @@ Layout differences from HF that llama.cpp expects:
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from slimtune import atomic
 from slimtune.export.gguf_quantize import CONVERTER_TYPES
 from slimtune.export.gguf_tokenizer import add_tokenizer
 
@@ -90,6 +92,7 @@ def convert_hf_to_gguf(model_dir: Path, out_path: Path, out_type: str = "f16", *
     default_qtype, file_type = _OUT_TYPES[out_type]
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.sweep_leftovers(out_path.parent, out_path.stem)  # a conversion killed earlier left these
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_path.stem}.", suffix=".tmp", dir=out_path.parent))
     writer = gguf.GGUFWriter(tmp_dir / out_path.name, gguf.MODEL_ARCH_NAMES[family.arch],
                              split_max_size=split_max_bytes or 0)  # opens nothing until the header
@@ -98,17 +101,29 @@ def convert_hf_to_gguf(model_dir: Path, out_path: Path, out_type: str = "f16", *
         n_vocab = next(p.shape[0] for p in plan if p.name == "token_embd.weight")
         _add_hparams(writer, config, model_dir.name, file_type, n_vocab)
         add_tokenizer(writer, model_dir, n_vocab)
+        need = 0
         for p in plan:
             block, block_bytes = gguf.GGML_QUANT_SIZES[p.qtype]
             n_bytes = math.prod(p.shape) // block * block_bytes
+            need += n_bytes
             writer.add_tensor_info(p.name, p.shape, np.dtype(np.float32), n_bytes, raw_dtype=p.qtype)
+        free = shutil.disk_usage(out_path.parent).free
+        if need > free:  # tensor data alone; the header (vocab, merges) adds well under 1% more
+            raise OSError(errno.ENOSPC, f"not enough disk space for {out_path}: the tensors need "
+                          f"{need / 1e9:.2f} GB, {free / 1e9:.2f} GB is free there; free space or point "
+                          "output_dir at a larger disk")
         tmp_files = writer.format_shard_names(tmp_dir / out_path.name)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for p in plan:
-            writer.write_tensor_data(_encode(p.source(), p.qtype))
-        writer.close()
+        try:
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for p in plan:
+                writer.write_tensor_data(_encode(p.source(), p.qtype))
+            writer.close()
+        except OSError as e:  # e.g. the disk filled up while writing: say where and how much was needed
+            free = shutil.disk_usage(out_path.parent).free
+            raise OSError(e.errno, f"writing {out_path} failed ({e}); it needs {need / 1e9:.2f} GB and "
+                          f"{free / 1e9:.2f} GB is free there; nothing was published") from e
         final = [out_path.parent / f.name for f in tmp_files]
         for tmp, dst in zip(tmp_files, final):
             os.replace(tmp, dst)

@@ -16,10 +16,10 @@ from slimtune.flows.stages import (
     load_records,
     packed_sft_task,
 )
-from slimtune.memory import gpu_concurrency, publish_memory_report, resubmit_on_crash
+from slimtune.memory import gpu_concurrency, gpu_slot, publish_memory_report, resubmit_on_crash
 from slimtune.model_source import check_model_dir, local_model_dir
 from slimtune.report import write_run_report
-from slimtune.spec import PipelineSpec, recheck_paths
+from slimtune.spec import MAX_CRASH_RESUBMITS, PipelineSpec, recheck_paths
 from slimtune.tasks.cleanup import MemorySnapshot
 from slimtune.tasks.packed_sft import prepare_data
 
@@ -33,8 +33,9 @@ def _flow_run_name() -> str:
     return f"{spec.get('name', 'run')}: {model} on {data}"
 
 
-@flow(name="finetune", flow_run_name=_flow_run_name, on_crashed=[resubmit_on_crash(crash_downshift)],
-      log_prints=True)
+# The hook's own bound is the spec field's maximum; crash_downshift applies guard.max_crash_resubmits.
+@flow(name="finetune", flow_run_name=_flow_run_name, log_prints=True,
+      on_crashed=[resubmit_on_crash(crash_downshift, max_resubmits=MAX_CRASH_RESUBMITS)])
 def finetune(spec: PipelineSpec) -> dict:
     """Fine-tune `spec.model` with QLoRA on `spec.data`, merge, and export GGUF; returns the run summary."""
     spec = recheck_paths(spec)
@@ -43,20 +44,19 @@ def finetune(spec: PipelineSpec) -> dict:
     examples = prepare_data(spec, str(model_dir))  # bad data fails here, before any model is loaded
     baseline = MemorySnapshot.take().to_dict()
     summary: dict = {"spec": spec.model_dump(mode="json")}
+    load, attach, train, clean, merge, export = (t.with_options(retries=spec.guard.max_retries) for t in (
+        load_4bit_task, attach_lora_task, packed_sft_task, cleanup_task, dequant_merge_task, gguf_task))
     try:
-        with gpu_concurrency(spec.model.device):
-            summary["load_4bit"] = loaded = load_4bit_task.with_options(retries=spec.guard.max_retries)(spec)
-            summary["attach_lora"] = lora = attach_lora_task.with_options(retries=spec.guard.max_retries)(
-                spec, loaded["handle"])
-            summary["packed_sft"] = trained = packed_sft_task.with_options(retries=spec.guard.max_retries)(
-                spec, lora["handle"], lora["checkpointing_handle"], examples)
-            summary["cleanup"] = cleanup_task(spec, baseline)
+        with gpu_concurrency(gpu_slot()):
+            summary["load_4bit"] = loaded = load(spec)
+            summary["attach_lora"] = lora = attach(spec, loaded["handle"])
+            summary["packed_sft"] = trained = train(spec, lora["handle"], lora["checkpointing_handle"], examples)
+            summary["cleanup"] = clean(spec, baseline)
             if spec.merge.enabled:
-                summary["dequant_merge"] = merged = dequant_merge_task.with_options(
-                    retries=spec.guard.max_retries)(spec, trained["adapter_dir"])
+                summary["dequant_merge"] = merged = merge(spec, trained["adapter_dir"])
                 if spec.export.gguf or spec.export.push:
-                    summary["gguf_convert_and_push"] = gguf_task.with_options(retries=spec.guard.max_retries)(
-                        spec, merged["out_dir"], trained["adapter_dir"], _card_facts(summary))
+                    summary["gguf_convert_and_push"] = export(spec, merged["out_dir"], trained["adapter_dir"],
+                                                              _card_facts(summary))
     finally:
         registry.release_all()  # also on failure: a failed run must not pin a model in this process
         publish_memory_report(load_records(spec.run_dir() / "memory"))

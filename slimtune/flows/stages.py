@@ -32,6 +32,7 @@ from slimtune.memory import (
     publish_task_report,
     retry_on_memory_pressure,
 )
+from slimtune.device import resolve_compute_dtype, resolve_device
 from slimtune.model_source import local_model_dir, read_config
 from slimtune.spec import PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
@@ -48,8 +49,6 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _device(spec: PipelineSpec) -> str:
-    from slimtune.device import resolve_device
-
     return str(resolve_device(spec.model.device))
 
 
@@ -93,7 +92,8 @@ def load_4bit_task(spec: PipelineSpec) -> dict:
     if spec.train.num_gpus > 1:
         return ddp.deferred("load_4bit", spec)
     cfg = read_config(local_model_dir(spec.model))
-    with _guard("load_4bit", spec, estimate_load_4bit(cfg, compute_dtype_bytes=2)):
+    dtype = resolve_compute_dtype(spec.model.compute_dtype, resolve_device(spec.model.device))
+    with _guard("load_4bit", spec, estimate_load_4bit(cfg, compute_dtype_bytes=dtype.itemsize)):
         return load_4bit(spec).to_dict()
 
 

@@ -20,13 +20,13 @@ from slimtune.memory.estimate import (
     estimate_merge,
     estimate_train,
 )
-from slimtune.memory.guard import GuardRecord, gpu_concurrency, guarded, max_memory_with_headroom, preflight
+from slimtune.memory.guard import GuardRecord, gpu_concurrency, gpu_slot, guarded, max_memory_with_headroom, preflight
 from slimtune.memory.report import publish_memory_report, publish_task_report
 
 __all__ = [
     "CheckpointingHandle", "DownshiftExhausted", "Estimate", "GuardRecord", "MemoryPressure", "MergeShift",
     "PreflightError", "TrainShift", "classify", "clean_memory", "current_attempt", "downshift_merge", "downshift_train",
     "enable_checkpointing", "estimate_export", "estimate_load_4bit", "estimate_merge", "estimate_train",
-    "gpu_concurrency", "guarded", "max_memory_with_headroom", "preflight", "publish_memory_report",
+    "gpu_concurrency", "gpu_slot", "guarded", "max_memory_with_headroom", "preflight", "publish_memory_report",
     "publish_task_report", "resubmit_on_crash", "retry_on_memory_pressure",
 ]

@@ -325,7 +325,7 @@ def estimate_train(
         "gpu": "train.micro_batch_size (with train.gradient_accumulation_steps), data.max_seq_length "
         "or lora.gradient_checkpointing",
         "host": "lora.gradient_checkpointing (offloading keeps layer inputs in host memory)",
-        "disk": "train.output_dir (a disk with more space)",
+        "disk": "output_dir (a disk with more space)",
     }
     return _estimate(_with_slack(gpu), host, disk, fields)
 
@@ -353,7 +353,7 @@ def estimate_merge(cfg: dict[str, Any], *, max_shard_bytes: int, output_dtype_by
     fields = {
         "gpu": "merge.maximum_memory_usage",
         "host": "merge.max_shard_size_gb or merge.maximum_memory_usage",
-        "disk": "merge.output_dir (a disk with more space)",
+        "disk": "output_dir or merge.temporary_location (a disk with more space)",
     }
     return _estimate(_with_slack(gpu), host, disk, fields)
 

@@ -9,6 +9,7 @@ which `retry_on_memory_pressure` retries with a downshift; any other error passe
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 import traceback
@@ -238,6 +239,15 @@ def guarded(
         record.seconds = time.perf_counter() - started
         if on_exit is not None:
             on_exit(record)
+
+
+def gpu_slot() -> str:
+    """The name of this host's GPU slot: `SLIMTUNE_GPU_SLOT`, default "gpu".
+
+    Global concurrency limits are server-wide; with several GPU hosts on one Prefect server, give each
+    host's workers their own name (e.g. SLIMTUNE_GPU_SLOT=gpu-node7) and create one limit per host.
+    """
+    return os.environ.get("SLIMTUNE_GPU_SLOT", "gpu")
 
 
 @contextmanager

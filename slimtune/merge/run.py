@@ -166,6 +166,7 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, *,
     preflight_disk(out_dir.parent, out_bytes, temporary_location, spill)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    atomic.sweep_leftovers(out_dir.parent, out_dir.name)  # a merge killed earlier left its temporaries
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     held = HeldTensors(budgets.host_bytes, temporary_location)
     cuda = budgets.device.startswith("cuda")

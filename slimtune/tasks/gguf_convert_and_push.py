@@ -48,6 +48,7 @@ def _convert(spec: PipelineSpec, merged_dir: Path, out_dir: Path) -> list[Path]:
     split = int(spec.export.split_max_size_gb * 1e9) if spec.export.split_max_size_gb else None
     written: list[Path] = []
     f16_intermediate: Path | None = None
+    (out_dir / f".{spec.name}-f16-intermediate.gguf").unlink(missing_ok=True)  # left by a killed run
     for method in spec.export.gguf:
         target = out_dir / f"{spec.name}-{method}.gguf"
         if not needs_llama_cpp(method):

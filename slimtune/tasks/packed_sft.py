@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from slimtune import registry
 from slimtune.memory.checkpointing import enable_checkpointing
 from slimtune.spec import PipelineSpec
@@ -26,6 +28,11 @@ def prepare_data(spec: PipelineSpec, model_dir: str) -> str:
     return registry.put("examples", (tokenizer, examples))
 
 
+def _trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A host copy of the trainable (LoRA) weights: megabytes, not the model."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+
+
 def packed_sft(spec: PipelineSpec, model_handle: str, checkpointing_handle: str, examples_handle: str, *,
                micro_batch_size: int, gradient_accumulation_steps: int,
                gradient_checkpointing: bool | str) -> TrainReport:
@@ -36,6 +43,13 @@ def packed_sft(spec: PipelineSpec, model_handle: str, checkpointing_handle: str,
         log.info("switching gradient checkpointing %s -> %s", current.mode, gradient_checkpointing)
         current.undo()
         registry.replace(checkpointing_handle, enable_checkpointing(model, gradient_checkpointing))
+    # A retry after out-of-memory must not continue from the weights the failed attempt already updated:
+    # every attempt starts from the adapter as attach_lora made it (a resume then loads its checkpoint).
+    initial = registry.setdefault(f"initial-adapter:{model_handle}", lambda: _trainable_state(model))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in initial:
+                param.copy_(initial[name])
     tokenizer, examples = registry.get(examples_handle)
     return train_adapter(model, tokenizer, examples, spec.train, spec.data, spec.run_dir(),
                          micro_batch_size=micro_batch_size, gradient_accumulation_steps=gradient_accumulation_steps)

@@ -8,12 +8,15 @@ with the marker, and leftovers from a crash are deleted on the next start.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
 import shutil
 import time
 from pathlib import Path
+
+import torch
 
 from slimtune import atomic
 
@@ -23,6 +26,31 @@ STAGING = ".staging"
 COMPLETE = "COMPLETE"
 STATE_FILE = "slimtune_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+# A full disk reaches us as OSError(ENOSPC/EDQUOT), as torch.save's RuntimeError("... file write failed")
+# or as safetensors' SafetensorError("... StorageFull ...").
+_DISK_FULL = re.compile(r"No space left|StorageFull|Disk quota|file write failed", re.IGNORECASE)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """True when `error` says the disk (or quota) is full, whichever library raised it."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return bool(_DISK_FULL.search(str(error)))
+
+
+def write_failure(root: Path, model: torch.nn.Module, error: BaseException) -> str:
+    """Why a checkpoint could not be written, with the space it needs and what is free."""
+    done = complete_checkpoints(root)
+    if done:
+        need = sum(f.stat().st_size for f in done[-1].rglob("*") if f.is_file())
+    else:  # fp32 LoRA weights plus AdamW's two moments: 12 bytes per trainable parameter
+        need = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    free = shutil.disk_usage(root).free
+    return (f"writing a checkpoint under {root} failed ({error}); a checkpoint needs about "
+            f"{need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB is free there. Free space, point output_dir at "
+            f"a larger disk, or lower train.save_total_limit; no partial checkpoint was published")
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

@@ -13,6 +13,7 @@ whole accumulation window (`num_items_in_batch`), not per micro-batch.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -114,12 +115,16 @@ class _SlimTrainer(Trainer):
         self._staging = staging
         try:
             super()._save_checkpoint(model, trial)
+            staged = staging / f"checkpoint-{self.state.global_step}"
+            checkpoints.commit(staged, root, {**self.checkpoint_state, "step": self.state.global_step},
+                               keep=self.args.save_total_limit or 1)
+        except Exception as e:
+            if not checkpoints.is_disk_full(e):
+                raise
+            raise OSError(errno.ENOSPC, checkpoints.write_failure(root, model, e)) from e
         finally:
             self._staging = None
-        staged = staging / f"checkpoint-{self.state.global_step}"
-        checkpoints.commit(staged, root, {**self.checkpoint_state, "step": self.state.global_step},
-                           keep=self.args.save_total_limit or 1)
-        shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.meter.add(*inputs.pop(TOKEN_COUNTS_KEY, (0, 0)))
