@@ -28,9 +28,11 @@ STATE_FILE = "slimtune_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-# A full disk reaches us as OSError(ENOSPC/EDQUOT), as torch.save's RuntimeError("... file write failed")
-# or as safetensors' SafetensorError("... StorageFull ...").
-_DISK_FULL = re.compile(r"No space left|StorageFull|Disk quota|file write failed", re.IGNORECASE)
+# A full disk reaches us as OSError(ENOSPC/EDQUOT), as torch.save's RuntimeError("... file write failed" or,
+# seen on a full tmpfs, "[enforce fail at inline_container.cc] unexpected pos N vs M": a short write), or
+# as safetensors' SafetensorError("... StorageFull ...").
+_DISK_FULL = re.compile(r"No space left|StorageFull|Disk quota|file write failed|unexpected pos \d+ vs \d+",
+                        re.IGNORECASE)
 
 
 def is_disk_full(error: BaseException) -> bool:
