@@ -6,18 +6,13 @@ only runs in the worker that launched the killed process, so nothing in-process 
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import prefect.deployments
 import pytest
 from crash_flow import crash_once, halve_micro_batch
+from prefect_server import start_server, start_worker
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
@@ -28,72 +23,16 @@ from prefect.workers.process import ProcessWorker
 from slimtune.memory.crash import resubmit_on_crash
 
 _TESTS = Path(__file__).resolve().parent
-_REPO = _TESTS.parent
 _POOL = "crash-pool"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    # Own session, so teardown can end this process and every child it spawned (flow runs) by group id.
-    return subprocess.Popen(
-        cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, request):
-    home = tmp_path_factory.mktemp("prefect-home")
-    url = f"http://127.0.0.1:{_free_port()}/api"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": url,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false",
-        "PREFECT_WORKER_QUERY_SECONDS": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(_REPO), os.environ.get("PYTHONPATH", "")) if p),
-    }
-    port = url.rsplit(":", 1)[1].split("/")[0]
-    proc = _start(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", port],
-        env,
-        home / "server.log",
-    )
-    request.addfinalizer(lambda: _stop(proc))
-    deadline = time.monotonic() + 120  # a loaded 2-core machine takes 10-60 s to start the server
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            pytest.fail(f"prefect server exited: {(home / 'server.log').read_text()[-2000:]}")
-        time.sleep(0.5)
-    else:
-        pytest.fail("prefect server did not become healthy in 120 s")
-    return url, env, home
+    return start_server(tmp_path_factory.mktemp("prefect-home"), request.addfinalizer)
 
 
 def test_killed_flow_run_is_resubmitted_downshifted(server, request):
-    url, env, home = server
-    with temporary_settings({PREFECT_API_URL: url}):
+    with temporary_settings({PREFECT_API_URL: server.url}):
         with get_client(sync_client=True) as client:
             client.create_work_pool(
                 WorkPoolCreate(
@@ -105,12 +44,7 @@ def test_killed_flow_run_is_resubmitted_downshifted(server, request):
         deployment_id = crash_once.from_source(
             source=str(_TESTS), entrypoint="crash_flow.py:crash_once"
         ).deploy(name="crash", work_pool_name=_POOL, print_next_steps=False)
-        worker = _start(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", _POOL, "--type", "process"],
-            env,
-            home / "worker.log",
-        )
-        request.addfinalizer(lambda: _stop(worker))
+        worker = start_worker(server, _POOL, request.addfinalizer)
 
         spec = {"train": {"micro_batch_size": 8, "gradient_accumulation_steps": 2}}
         with get_client(sync_client=True) as client:
@@ -128,7 +62,7 @@ def test_killed_flow_run_is_resubmitted_downshifted(server, request):
                 if worker.poll() is not None:
                     break
                 time.sleep(1)
-            log = (home / "worker.log").read_text(errors="replace")[-4000:]
+            log = server.log("worker.log")
             first_run = client.read_flow_run(first.id)
 
     assert first_run.state.is_crashed(), f"{first_run.state}\n{log}"

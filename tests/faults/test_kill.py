@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from faultlib import SAVE_STEPS, TRAIN_RTOL, adapter_diff, check_published, leftovers, spec_dict
 from kill_flow import KILL_AT_STEP
+from prefect_server import start_server, start_worker
 
 _HERE = Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
@@ -31,28 +27,6 @@ _STAGES = ("train_step", "merge_write", "gguf_write")
 # Each flow-run process imports torch, transformers and Prefect (~20 s on a busy 2-core machine) before
 # it works; a chain of four runs of the tiny pipeline has taken ~3 minutes.
 _CHAIN_TIMEOUT_S = 420
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    # Own session: teardown ends this process and every flow-run process it spawned, by group id.
-    return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -71,28 +45,16 @@ def chain(tmp_path_factory, request, reference_run):
     (plan / "run_dir.txt").write_text(str(run_dir))
     for n, point in enumerate(_STAGES, 1):
         (plan / f"{n}-{point}.kill").touch()
-    url = f"http://127.0.0.1:{_free_port()}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_UI_ENABLED": "false",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
-           "PYTHONPATH": os.pathsep.join([str(_HERE), str(_REPO), os.environ.get("PYTHONPATH", "")])}
-    server = _start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                     url.rsplit(":", 1)[1].split("/")[0]], env, home / "server.log")
-    request.addfinalizer(lambda: _stop(server))
-    deadline = time.monotonic() + 120  # 10-60 s on a loaded 2-core machine
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
-        time.sleep(0.5)
+    # The worker's flow runs import kill_flow from this folder, and read the kill plan from the environment.
+    pythonpath = os.pathsep.join([str(_HERE), str(_REPO), os.environ.get("PYTHONPATH", "")])
+    server = start_server(home, request.addfinalizer,
+                          extra_env={"PYTHONPATH": pythonpath, "SLIMTUNE_FAULT_PLAN": str(plan)})
+    url = server.url
 
     import kill_flow
 
     def logs() -> str:
-        return (home / "worker.log").read_text(errors="replace")[-6000:]
+        return server.log("worker.log")
 
     with temporary_settings({PREFECT_API_URL: url}):
         with get_client(sync_client=True) as client:
@@ -100,9 +62,7 @@ def chain(tmp_path_factory, request, reference_run):
                 name=_POOL, type="process", base_job_template=ProcessWorker.get_default_base_job_template()))
         deployment_id = kill_flow.finetune.from_source(source=str(_HERE), entrypoint="kill_flow.py:finetune") \
             .deploy(name="faults", work_pool_name=_POOL, print_next_steps=False)
-        worker = _start([sys.executable, "-m", "prefect", "worker", "start", "--pool", _POOL, "--type",
-                         "process"], {**env, "SLIMTUNE_FAULT_PLAN": str(plan)}, home / "worker.log")
-        request.addfinalizer(lambda: _stop(worker))
+        worker = start_worker(server, _POOL, request.addfinalizer)
 
         def wait(count: int) -> list:
             deadline = time.monotonic() + _CHAIN_TIMEOUT_S
