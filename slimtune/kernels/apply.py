@@ -14,6 +14,9 @@ Selection (`train.kernels` in the spec):
 - a list of names from `KERNEL_NAMES`: exactly those; a name the family cannot use is skipped with
   its reason in `KernelPatch.skipped`.
 
+"host_embedding" is the one selection that moves a weight: a frozen, untied input-embedding table goes
+to pinned host memory (its GPU copy is freed) and `undo()` brings it back; see `host_embedding`.
+
 Loss without logits: with "fused_linear_ce" applied, calling the model with `labels=` (peft-wrapped
 or not) returns `CausalLMOutputWithPast(loss=..., logits=None)`; the loss is computed chunk by chunk
 from the last hidden state. Labels are unshifted, as for transformers (`shift_labels=` is honoured),
@@ -33,14 +36,16 @@ from ._launch import interpreter_on
 
 log = logging.getLogger("slimtune.kernels")
 
-KERNEL_NAMES: tuple[str, ...] = ("rms_norm", "rope", "swiglu", "geglu", "fused_linear_ce", "lora_nf4")
+KERNEL_NAMES: tuple[str, ...] = ("rms_norm", "rope", "swiglu", "geglu", "fused_linear_ce", "lora_nf4",
+                                 "host_embedding")
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+_COMMON = ("rms_norm", "rope", "fused_linear_ce", "lora_nf4", "host_embedding")
 _FAMILY_KERNELS = {
-    "llama": ("rms_norm", "rope", "swiglu", "fused_linear_ce", "lora_nf4"),
-    "mistral": ("rms_norm", "rope", "swiglu", "fused_linear_ce", "lora_nf4"),
-    "qwen2": ("rms_norm", "rope", "swiglu", "fused_linear_ce", "lora_nf4"),
-    "qwen3": ("rms_norm", "rope", "swiglu", "fused_linear_ce", "lora_nf4"),
-    "gemma": ("rms_norm", "rope", "geglu", "fused_linear_ce", "lora_nf4"),
+    "llama": ("swiglu", *_COMMON),
+    "mistral": ("swiglu", *_COMMON),
+    "qwen2": ("swiglu", *_COMMON),
+    "qwen3": ("swiglu", *_COMMON),
+    "gemma": ("geglu", *_COMMON),
 }
 _SLIDING_WINDOW_FAMILIES = ("mistral", "qwen2", "qwen3")  # their attention passes sliding_window on
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -235,7 +240,8 @@ def _patch_gated(base: torch.nn.Module, family: str, patch: KernelPatch,
     from .swiglu import gated_act
 
     def impl(mod, original, x, activation):
-        return mod.down_proj(gated_act(mod.gate_proj(x), mod.up_proj(x), activation))
+        # gate and up are fresh projection outputs read by nothing else: backward may overwrite them
+        return mod.down_proj(gated_act(mod.gate_proj(x), mod.up_proj(x), activation, inplace_backward=True))
 
     count, seen = 0, set()
     for mod in _family_instances(base, family, "MLP"):
@@ -294,10 +300,9 @@ def _patch_fused_ce(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
     return 1
 
 
-# Below this many tokens per call the fused path loses to peft + bitsandbytes. Measured on an H200, 8B
-# shape, "unsloth" checkpointing: at 2048 tokens (batch 1) 7048 tok/s with it vs 8781 without; at 8192
-# tokens (batch 4) 10515 with it vs 10215 without.
-LORA_NF4_MIN_TOKENS = 4096
+# The projection whose output is the last term of a decoder layer (`hidden = residual + mlp(...)` in
+# every family of _FAMILY_KERNELS): in a checkpointing recompute its output is never read.
+_LAYER_OUTPUT_PROJECTION = "mlp.down_proj"
 
 
 def _patch_lora_nf4(base: torch.nn.Module, family: str, patch: KernelPatch) -> int | str:
@@ -305,13 +310,14 @@ def _patch_lora_nf4(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
         from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
     except ImportError:
         return "peft with bitsandbytes support is not installed"
+    from slimtune.memory.checkpointing import recomputing
+
     from .lora_linear import lora_nf4_linear
 
-    def impl(mod, original, x, *args, **kwargs):
+    def impl(mod, original, x, *args, layer_output: bool, **kwargs):
         name = mod.active_adapters[0] if len(mod.active_adapters) == 1 else None
         fast = (not args and not kwargs and name is not None and not mod.disable_adapters and not mod.merged
-                and name in mod.lora_A and name not in getattr(mod, "lora_variant", {})
-                and x.numel() // x.shape[-1] >= LORA_NF4_MIN_TOKENS)
+                and name in mod.lora_A and name not in getattr(mod, "lora_variant", {}))
         if fast:
             drop = mod.lora_dropout[name]
             fast = isinstance(drop, torch.nn.Identity) or drop.p == 0 or not drop.training
@@ -320,17 +326,53 @@ def _patch_lora_nf4(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
         layer = mod.base_layer
         dtype = getattr(layer, "compute_dtype", None) or x.dtype
         y = lora_nf4_linear(x.to(dtype), layer.weight, layer.weight.quant_state, layer.bias,
-                            mod.lora_A[name].weight, mod.lora_B[name].weight, mod.scaling[name])
+                            mod.lora_A[name].weight, mod.lora_B[name].weight, mod.scaling[name],
+                            compute_output=not (layer_output and recomputing()))
         return y.to(x.dtype)
 
     count = 0
-    for mod in base.modules():
+    for path, mod in base.named_modules():
         if isinstance(mod, LoraLinear4bit):
             qs = getattr(mod.base_layer.weight, "quant_state", None)
             if qs is not None and qs.quant_type == "nf4":
-                _replace_forward(mod, impl, patch)
+                _replace_forward(mod, impl, patch, layer_output=path.endswith(_LAYER_OUTPUT_PROJECTION))
                 count += 1
     return count or "no peft LoRA layers over bitsandbytes NF4 weights"
+
+
+def _patch_host_embedding(base: torch.nn.Module, family: str, patch: KernelPatch) -> int | str:
+    from .host_embedding import gather_rows, to_host
+
+    emb = base.get_input_embeddings()
+    if type(emb) is not torch.nn.Embedding or emb.max_norm is not None:
+        return f"input embeddings are {type(emb).__name__} (needs a plain torch.nn.Embedding)"
+    if emb.weight.requires_grad:
+        return "the input embeddings are trained (lora.train_embeddings)"
+    head = base.get_output_embeddings()
+    if head is not None and head.weight.data_ptr() == emb.weight.data_ptr():
+        return "the input embeddings are tied to the output head, which reads them on the GPU"
+    gpu = emb.weight.device
+    try:
+        host = to_host(emb.weight.detach())
+        # A probe before the GPU copy goes: pinned memory may be refused (locked-memory limits), or the
+        # GPU may not reach it (no unified addressing); either way the table then stays where it is.
+        probe = gather_rows(host, torch.zeros(1, dtype=torch.long, device=gpu))
+        if not torch.equal(probe[0], emb.weight[0].detach()):
+            return "the GPU read a different row 0 from the host table than the model has"
+    except Exception as err:  # noqa: BLE001 - any failure of the probe means: not on this machine
+        return f"host table not usable from {gpu}: {type(err).__name__}: {str(err).splitlines()[0]}"
+    emb.weight = torch.nn.Parameter(host, requires_grad=False)  # the GPU copy is freed here
+
+    def impl(mod, original, input_ids):
+        return gather_rows(mod.weight, input_ids)
+
+    _replace_forward(emb, impl, patch)
+
+    def back_to_device() -> None:
+        emb.weight = torch.nn.Parameter(emb.weight.detach().to(gpu), requires_grad=False)
+
+    patch._undo.append(back_to_device)
+    return 1
 
 
 _PATCHERS: dict[str, Callable[[torch.nn.Module, str, KernelPatch], int | str]] = {
@@ -340,4 +382,5 @@ _PATCHERS: dict[str, Callable[[torch.nn.Module, str, KernelPatch], int | str]] =
     "geglu": _patch_geglu,
     "fused_linear_ce": _patch_fused_ce,
     "lora_nf4": _patch_lora_nf4,
+    "host_embedding": _patch_host_embedding,
 }

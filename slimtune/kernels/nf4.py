@@ -10,6 +10,10 @@ the output dtype, and, with double quantization, `absmax = fp32(code2[q] * absma
 `+ offset` as a separate operation. The GPU compiler fuses `a * b + c` into one FMA (one rounding
 instead of two), so the absmax product is stored by its own kernel and the offset is added after it
 is loaded back: the same two roundings bitsandbytes performs.
+
+No host sync: the offset is a 0-d tensor on the GPU and the kernel loads it there. Reading it on the
+host (`float(offset)`) once cost a device sync per dequantization, 21 per decoder layer per training
+step: profiled on an H100, the GPU then sat idle 0.39 s of a 1.18 s 8B step at batch 4.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def _absmax_kernel(q_ptr, code2_ptr, absmax2_ptr, out_ptr, n, BLOCK2: tl.constex
 
 
 @triton.jit
-def _nf4_kernel(packed_ptr, absmax_ptr, code_ptr, out_ptr, n_out, offset,
+def _nf4_kernel(packed_ptr, absmax_ptr, code_ptr, out_ptr, n_out, offset_ptr,
                 BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     byte = pid * BLOCK + tl.arange(0, BLOCK)
@@ -45,7 +49,7 @@ def _nf4_kernel(packed_ptr, absmax_ptr, code_ptr, out_ptr, n_out, offset,
     packed = tl.load(packed_ptr + byte, mask=bmask, other=0).to(tl.int32)
     scale = tl.load(absmax_ptr + (byte * 2) // BLOCKSIZE, mask=bmask, other=0.0)
     if NESTED:
-        scale = scale + offset  # loaded, not fused: bitsandbytes rounds the product before the add
+        scale = scale + tl.load(offset_ptr)  # loaded, not fused: bitsandbytes rounds the product first
     hi = tl.load(code_ptr + (packed >> 4)) * scale  # high nibble holds the even element
     lo = tl.load(code_ptr + (packed & 15)) * scale
     vals = tl.reshape(tl.join(hi, lo), [2 * BLOCK])
@@ -57,10 +61,12 @@ def _nf4_kernel(packed_ptr, absmax_ptr, code_ptr, out_ptr, n_out, offset,
     tl.store(out_ptr + out_offs, vals, mask=out_offs < n_out)
 
 
-def _absmax_fp32(quant_state) -> tuple[torch.Tensor, float, bool]:
-    """Per-block fp32 absmax (before the offset), the offset, and whether it was double-quantized."""
+def _absmax_fp32(quant_state) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Per-block fp32 absmax (before the offset), the offset as a device tensor, and whether it was
+    double-quantized (without, the offset is a placeholder the kernel never reads)."""
     if not getattr(quant_state, "nested", False):
-        return quant_state.absmax.float(), 0.0, False
+        absmax = quant_state.absmax.float()
+        return absmax, absmax, False
     q = quant_state.absmax
     state2 = quant_state.state2
     out = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
@@ -68,7 +74,8 @@ def _absmax_fp32(quant_state) -> tuple[torch.Tensor, float, bool]:
     _absmax_kernel[(triton.cdiv(q.numel(), block),)](q, state2.code.to(q.device), state2.absmax, out,
                                                      q.numel(), BLOCK2=state2.blocksize, BLOCK=block,
                                                      num_warps=4)
-    return out, float(quant_state.offset), True
+    offset = torch.as_tensor(quant_state.offset, dtype=torch.float32, device=q.device)
+    return out, offset, True
 
 
 def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -81,7 +81,7 @@ def _act_id(activation: str) -> int:
 
 class _GatedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, act: int, inplace: bool) -> torch.Tensor:
         check_device(gate, up)
         if gate.shape != up.shape:
             raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
@@ -90,23 +90,33 @@ class _GatedFn(torch.autograd.Function):
         n = gate.numel()
         _glu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](gate, up, h, n, ACT=act, BLOCK=_BLOCK, num_warps=4)
         ctx.save_for_backward(gate, up)
-        ctx.act = act
+        ctx.act, ctx.inplace = act, inplace
         return h
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
         gate, up = ctx.saved_tensors
         dh = dh.contiguous()
-        dg, du = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
+        if ctx.inplace:
+            dg, du = gate, up  # each element is read before the same program overwrites it
+        else:
+            dg, du = torch.empty_like(gate), torch.empty_like(up)
         _glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dh, gate, up, dg, du, n, ACT=ctx.act, BLOCK=_BLOCK,
                                                    num_warps=4)
-        return dg, du, None
+        return dg, du, None, None
 
 
-def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """`act(gate) * up` in one kernel; `activation` is "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU)."""
-    return _GatedFn.apply(gate, up, _act_id(activation))
+def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu",
+              inplace_backward: bool = False) -> torch.Tensor:
+    """`act(gate) * up` in one kernel; `activation` is "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU).
+
+    `inplace_backward=True` writes the gradients over `gate` and `up` instead of two new buffers: for
+    callers whose gate and up are intermediates nothing else reads (the MLP patch), it takes 2 x
+    [tokens, intermediate] off the peak of the MLP backward (448 MiB for an 8B model at 4x2048
+    tokens). The inputs hold gradients afterwards, and the graph is single-use (no retain_graph).
+    """
+    return _GatedFn.apply(gate, up, _act_id(activation), inplace_backward)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

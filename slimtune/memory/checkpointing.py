@@ -17,6 +17,7 @@ no extra gradient for the embedding output) and `torch.autograd.grad` on LoRA we
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Literal
@@ -30,6 +31,16 @@ from slimtune.memory.offload import ActivationOffloader, OffloadStats
 Mode = bool | Literal["unsloth"]
 _MISSING = object()
 _SUPPORTED = "Llama, Mistral, Qwen2, Qwen3, Gemma (decoder layers at `model.model.layers`)"
+_RECOMPUTE = threading.local()  # backward runs on autograd's thread: a flag per thread
+
+
+def recomputing() -> bool:
+    """True while "unsloth" checkpointing re-runs a decoder layer in backward.
+
+    That re-run exists for the autograd graph it builds; the layer's output is thrown away. A kernel
+    may skip work that only produces that output (see `kernels.lora_linear`, `compute_output`).
+    """
+    return getattr(_RECOMPUTE, "active", False)
 
 
 class CheckpointingHandle(AbstractContextManager["CheckpointingHandle"]):
@@ -228,7 +239,11 @@ class _RecomputedLayer(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
-            out = ctx.run(hidden)
+            _RECOMPUTE.active = True
+            try:
+                out = ctx.run(hidden)
+            finally:
+                _RECOMPUTE.active = False
         inputs = ([hidden] if hidden.requires_grad else []) + list(params)
         grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
         hidden_grad = grads.pop(0) if hidden.requires_grad else None

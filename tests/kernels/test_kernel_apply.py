@@ -107,11 +107,7 @@ def tiny_qlora(tmp_path_factory):
     return model.train()
 
 
-def test_qlora_step_with_kernels_gives_the_same_lora_gradients(tiny_qlora, monkeypatch):
-    import slimtune.kernels.apply as apply_module
-
-    # The fused NF4 LoRA path only runs from LORA_NF4_MIN_TOKENS tokens a call; this batch is far smaller.
-    monkeypatch.setattr(apply_module, "LORA_NF4_MIN_TOKENS", 1)
+def test_qlora_step_with_kernels_gives_the_same_lora_gradients(tiny_qlora):
     model = tiny_qlora
     batch = _batch(model.get_base_model().config.vocab_size)
     ref_out, ref_grads = _step(model, batch)
@@ -129,6 +125,39 @@ def test_qlora_step_with_kernels_gives_the_same_lora_gradients(tiny_qlora, monke
         # fp32 compute over an NF4 base dequantized bit-exactly: differences are summation order only
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     assert _own_forwards(model) == 0
+
+
+def test_unsloth_checkpointing_with_kernels_gives_the_same_lora_gradients(tiny_qlora, monkeypatch):
+    """The recompute skips the base matmul of each layer's down_proj (its output is discarded there)."""
+    from slimtune.kernels import lora_linear
+    from slimtune.memory.checkpointing import enable_checkpointing
+
+    model = tiny_qlora
+    batch = _batch(model.get_base_model().config.vocab_size)
+    # as the pipeline trains: without a KV cache (with one, transformers ignores the packed position ids)
+    monkeypatch.setattr(model.get_base_model().config, "use_cache", False)
+    ref_out, ref_grads = _step(model, batch)
+    calls = []
+    original = lora_linear._LoRANF4Fn.apply
+
+    def spy(*args):
+        calls.append(args[-1])  # compute_output
+        return original(*args)
+
+    monkeypatch.setattr(lora_linear._LoRANF4Fn, "apply", spy)
+    handle = enable_checkpointing(model, "unsloth")
+    patch = apply_kernels(model, list(KERNEL_NAMES))
+    try:
+        out, grads = _step(model, batch)
+    finally:
+        patch.undo()
+        handle.undo()
+    # forward: 7 projections computed; recompute: 6 computed and down_proj's output skipped
+    assert calls.count(True) == 2 * len(LORA_TARGETS) - 1 and calls.count(False) == 1, calls
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_lora_falls_back_to_peft_when_adapters_are_disabled(tiny_qlora):

@@ -53,3 +53,22 @@ def test_named_wrappers_pick_the_activation():
                                rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="not supported"):
         gated_act(gate, up, "relu")
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_inplace_backward_same_gradients_and_no_extra_buffers(act):
+    """The MLP patch's in-place backward: equal gradients, written into the (non-leaf) gate and up."""
+    torch.manual_seed(2)
+    g0, u0, dh = torch.randn(4, 96) * 2, torch.randn(4, 96), torch.randn(4, 96)
+    expected = _run(gated_act, g0, u0, act, dh)
+
+    g_leaf, u_leaf = g0.clone().requires_grad_(), u0.clone().requires_grad_()
+    gate, up = g_leaf * 1.0, u_leaf * 1.0  # intermediates, as projection outputs are
+    h = gated_act(gate, up, act, inplace_backward=True)
+    h.backward(dh)
+    torch.testing.assert_close(h.detach(), expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(g_leaf.grad, expected[1], rtol=0, atol=0)
+    torch.testing.assert_close(u_leaf.grad, expected[2], rtol=0, atol=0)
+    # the gradients live in gate's and up's own storage: no new [tokens, intermediate] buffers
+    torch.testing.assert_close(gate.detach(), expected[1], rtol=0, atol=0)
+    torch.testing.assert_close(up.detach(), expected[2], rtol=0, atol=0)

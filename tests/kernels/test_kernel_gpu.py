@@ -147,6 +147,46 @@ def test_lora_nf4_linear_8b(shape):
         assert _rel_err(got, ref) < 2 ** -6  # bf16 operands, fp32 accumulation
 
 
+def test_lora_nf4_step_never_syncs_with_the_host():
+    """A host sync per dequantization (reading the double-quant offset) once idled the GPU ~30% of a step."""
+    import bitsandbytes.functional as bnbf
+
+    from slimtune.kernels.lora_linear import lora_nf4_linear
+
+    w = (torch.randn(I, H, device=_cuda()) * 0.02).bfloat16()
+    packed, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    x = torch.randn(T, H, device=_cuda()).bfloat16().requires_grad_()
+    a = (torch.randn(16, H, device=_cuda()) * 0.02).requires_grad_()
+    b = (torch.randn(I, 16, device=_cuda()) * 0.02).requires_grad_()
+    dy = torch.randn(T, I, device=_cuda()).bfloat16()
+    lora_nf4_linear(x, packed, state, None, a, b, 2.0).backward(dy)  # warm-up: compile, allocate
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lora_nf4_linear(x, packed, state, None, a, b, 2.0).backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_host_embedding_8b_gathers_exactly_from_pinned_memory_without_syncing():
+    from slimtune.kernels.host_embedding import gather_rows, to_host
+
+    table_gpu = torch.randn(V, H, device=_cuda()).bfloat16()
+    table = to_host(table_gpu)
+    assert table.device.type == "cpu" and table.is_pinned()
+    ids = torch.randint(0, V, (4, T), device=_cuda())
+    ids[0, :3] = torch.tensor([0, V - 1, 5])
+    gather_rows(table, ids)  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = gather_rows(table, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.device.type == "cuda" and torch.equal(got, table_gpu[ids])
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
 def test_auto_on_gpu_bf16_tiny_model(family):
     from slimtune.kernels import apply_kernels
@@ -202,8 +242,13 @@ def test_auto_on_gpu_qlora_tiny_model(tmp_path):
         return out.loss.detach(), grads
 
     ref_loss, ref_grads = step()
+    table_bytes = base.get_input_embeddings().weight.nbytes
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     patch = apply_kernels(model, "auto")
     assert patch.modules.get("lora_nf4") == 14, patch.skipped
+    assert patch.modules.get("host_embedding") == 1, patch.skipped
+    assert before - torch.cuda.memory_allocated() >= table_bytes  # the table left the GPU
     loss, grads = step()
     patch.undo()
     torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)  # bf16 activations end to end
