@@ -110,3 +110,20 @@ def test_flow_process_loads_no_model_for_ddp(tmp_path):
     lora = attach_lora_task.fn(spec, loaded["handle"])
     assert loaded["handle"] is None and lora["checkpointing_handle"] is None
     assert "2 DDP workers" in loaded["reason"] and registry.handles() == []
+
+
+@pytest.mark.gpu
+def test_single_process_run_trains_on_the_gpu_it_was_given(tmp_path):
+    """`model.device: cuda:1` on a 2-GPU host: batches go to cuda:1, with the micro-batch and loss of one GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (run through the device tool on nvidia-h200-x2)")
+    spec = _spec(tmp_path, "second-gpu", 1)
+    spec.model.device = "cuda:1"
+    torch.cuda.reset_peak_memory_stats(0)
+    report = _single_process(spec, micro_batch_size=4)
+    assert report["micro_batch_size"] == 4 and report["steps"] == spec.train.max_steps
+    assert report["eval_loss_after"] < report["eval_loss_before"]
+    first = report["losses"][0]["loss"]
+    # the tiny model starts near ln(vocab) = 6.77; a loss scaled by n_gpu=2 started near 13.5
+    assert 5.5 < first < 8.0, first
+    assert torch.cuda.max_memory_allocated(0) == 0  # nothing of this run landed on cuda:0

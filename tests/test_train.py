@@ -211,3 +211,25 @@ def test_prefect_progress_callback_updates_artifact_in_a_run(monkeypatch):
         callback.on_step_end(None, state, TrainerControl())
     # At most 4 updates: every 25% of the 8 steps.
     assert calls == [("create", 0.0), ("id", 25.0), ("id", 50.0), ("id", 75.0), ("id", 100.0)]
+
+
+def test_one_process_trains_on_one_device_even_when_more_gpus_are_visible(base_dir, tmp_path):
+    """On a 2-GPU host outside torchrun transformers sets n_gpu=2: that doubled the micro-batch and the loss."""
+    from transformers import Trainer
+
+    from slimtune.train.trainer import _arguments
+
+    args = _arguments(TrainSpec(), tmp_path, micro_batch_size=3, accumulation=1, precision="fp32",
+                      optim="adamw_torch", device=torch.device("cpu"), has_eval=False)
+    assert args.device.type == "cpu"
+    args._n_gpu = 2  # what TrainingArguments' device setup stores on a host with two visible GPUs
+    assert args.n_gpu == 1
+    assert args.train_batch_size == 3
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    ids = torch.randint(0, model.config.vocab_size, (3, 16))
+    items = torch.tensor(45)  # tokens of the whole accumulation window, as Trainer counts them
+    loss = Trainer(model=model, args=args).compute_loss(model, {"input_ids": ids, "labels": ids},
+                                                        num_items_in_batch=items)
+    expected = model(input_ids=ids, labels=ids, num_items_in_batch=items).loss
+    torch.testing.assert_close(loss, expected)  # not 2x: no DataParallel scaling for a one-device run

@@ -240,10 +240,38 @@ def _rows(examples: Examples, data: DataSpec, mode: str) -> tuple[list, list]:
     return one_per_row(examples.train), one_per_row(examples.eval)
 
 
+@dataclass
+class _OneDeviceArguments(TrainingArguments):
+    """TrainingArguments for a process that trains on exactly one device: the model's.
+
+    Outside torchrun, transformers counts every visible GPU in `n_gpu` and uses cuda:0. On a host with
+    two GPUs that doubled each micro-batch (`train_batch_size` = micro x n_gpu, all on one GPU, since
+    Trainer does not DataParallel a 4-bit model) and the loss (scaled by n_gpu for DataParallel), and
+    a model on cuda:1 would get its batches on cuda:0. Under DDP each rank already has one GPU.
+    """
+
+    train_device: str | None = None  # the model's device; a string so the arguments stay serialisable
+
+    @property
+    def n_gpu(self) -> int:
+        return min(super().n_gpu, 1)
+
+    @property
+    def device(self) -> torch.device:
+        device = super().device
+        if self.world_size > 1 or self.train_device is None or device.type != "cuda":
+            return device
+        mine = torch.device(self.train_device)
+        if torch.cuda.current_device() != mine.index:
+            torch.cuda.set_device(mine)  # transformers selected cuda:0; Triton launches on the current one
+        return mine
+
+
 def _arguments(train: TrainSpec, output_dir: Path, micro_batch_size: int, accumulation: int, precision: str,
                optim: str, device: torch.device, *, has_eval: bool) -> TrainingArguments:
     evaluate = has_eval and train.eval_steps is not None
-    return TrainingArguments(
+    return _OneDeviceArguments(
+        train_device=str(device) if device.type == "cuda" else None,
         output_dir=str(output_dir), per_device_train_batch_size=micro_batch_size,
         per_device_eval_batch_size=micro_batch_size, gradient_accumulation_steps=accumulation,
         learning_rate=train.learning_rate, lr_scheduler_type=scheduler_name(train.lr_scheduler),
