@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Where a training step's GPU time goes, per config: kernel time by category, idle time, top kernels.
+
+The speed table says *how fast*; this says *why*. For each config of `runner.py` it runs the same
+step as `measure_training` (warm-up first), then profiles a few steps with torch.profiler and reports:
+wall time per step, GPU busy time per step (sum of kernel and copy time; the rest of the wall is the
+GPU waiting for the host), busy time by category (matmul, attention, slimtune Triton kernels,
+bitsandbytes, element-wise, copies), and the kernels that take the most time.
+
+    python3 benchmarks/profile_step.py --model 8b --batch 4 --configs hf_gc,ours --out "$OUT"
+Writes OUT/profile-<model>-b<batch>.json and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks.common import (
+    MODEL_SHAPES,
+    attach_lora,
+    build_random_model,
+    free_memory,
+    quantize_nf4_,
+    random_batch,
+    reset_lora_,
+    trainable_parameters,
+    write_json_atomic,
+)
+from benchmarks.runner import _prepare
+
+# Substrings of kernel names, checked in order; the first match names the category.
+_CATEGORIES = (
+    ("copy", ("memcpy", "memset", "Memcpy", "Memset")),
+    ("attention", ("flash", "fmha", "attention", "Attention")),
+    ("bitsandbytes", ("kDequantize", "kgemm_4bit", "dequantize")),
+    ("matmul", ("gemm", "Gemm", "GEMM", "cutlass", "xmma", "nvjet", "cublas", "splitK")),
+    ("elementwise", ("at::native", "elementwise", "reduce", "Reduce", "softmax", "Cat", "foreach",
+                     "multi_tensor", "Adam", "cudnn::")),
+    ("slimtune triton", ("_kernel",)),  # Triton kernels are named after their function, e.g. _nf4_kernel
+)
+
+
+def _category(name: str) -> str:
+    for cat, keys in _CATEGORIES:
+        if any(k in name for k in keys):
+            return cat
+    return "other"
+
+
+def _prepare_variant(config: str, model: torch.nn.Module):
+    """runner's configs, plus `ours_nogc` (kernels, no checkpointing), `ours_nokernels` (the reverse) and
+    `ours_no_<kernel>` (ours without one kernel, e.g. `ours_no_lora_nf4`)."""
+    from slimtune.kernels.apply import KERNEL_NAMES, apply_kernels
+    from slimtune.memory.checkpointing import enable_checkpointing
+
+    if config == "ours_nogc":
+        patch = apply_kernels(model, "auto")
+        return _loss, {"kernels": patch.modules}, patch.undo
+    if config == "ours_nokernels":
+        handle = enable_checkpointing(model, "unsloth")
+        return _loss, {"offloading": handle.offloading}, handle.undo
+    if config.startswith("ours_no_"):
+        left_out = config.removeprefix("ours_no_")
+        if left_out not in KERNEL_NAMES:
+            raise ValueError(f"{config}: {left_out!r} is not one of {KERNEL_NAMES}")
+        handle = enable_checkpointing(model, "unsloth")
+        patch = apply_kernels(model, [k for k in KERNEL_NAMES if k != left_out])
+
+        def undo() -> None:
+            patch.undo()
+            handle.undo()
+
+        return _loss, {"kernels": patch.modules}, undo
+    return _prepare(config, model)
+
+
+def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+def profile_config(model: torch.nn.Module, config: str, batch: int, seq: int, warmup: int,
+                   steps: int) -> dict:
+    """Warm `config` up, then profile `steps` steps; return wall, busy and per-category seconds per step."""
+    loss_fn, notes, undo = _prepare_variant(config, model)
+    try:
+        reset_lora_(model)
+        model.train()
+        data = random_batch(model.config.vocab_size, batch, seq, "cuda")
+        opt = torch.optim.AdamW(trainable_parameters(model), lr=1e-4, fused=True)
+
+        def step() -> None:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = loss_fn(model, data)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / steps
+        peak = torch.cuda.max_memory_allocated()
+        kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                k = kernels[ev.name]
+                k[0] += ev.device_time / 1e6 / steps  # us -> s, per step
+                k[1] += 1 / steps
+        busy = sum(t for t, _ in kernels.values())
+        cats: dict[str, float] = defaultdict(float)
+        for name, (t, _) in kernels.items():
+            cats[_category(name)] += t
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
+        opt.state.clear()
+        return {"config": config, "batch": batch, "seq": seq, "wall_s": round(wall, 4),
+                "busy_s": round(busy, 4), "idle_s": round(wall - busy, 4),
+                "tokens_per_s": round(batch * seq / wall, 1), "peak_allocated_gib": round(peak / 2**30, 2),
+                "categories_s": {k: round(v, 4) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+                "top_kernels": [{"name": n[:160], "s": round(t, 5), "calls": round(c, 1)} for n, (t, c) in top],
+                "notes": notes}
+    finally:
+        undo()
+        free_memory("cuda")
+
+
+def _print(r: dict) -> None:
+    print(f"\n== {r['config']} b{r['batch']}: wall {r['wall_s']:.4f} s/step, busy {r['busy_s']:.4f}, "
+          f"idle {r['idle_s']:.4f}, {r['tokens_per_s']:.0f} tok/s, peak {r['peak_allocated_gib']} GiB")
+    print("   " + ", ".join(f"{k} {v:.4f}" for k, v in r["categories_s"].items()))
+    for k in r["top_kernels"][:18]:
+        print(f"   {k['s']:.5f} s  x{k['calls']:<6} {k['name'][:110]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="8b", choices=[k for k in MODEL_SHAPES if k != "tiny"])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--configs", default="hf_gc,ours")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("profiling needs a CUDA GPU")
+    model = attach_lora(_quantized(args.model))
+    results = []
+    for config in args.configs.split(","):
+        r = profile_config(model, config, args.batch, args.seq, args.warmup, args.steps)
+        _print(r)
+        results.append(r)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(args.out / f"profile-{args.model}-b{args.batch}.json",
+                      {"gpu": torch.cuda.get_device_name(), "model": args.model, "results": results})
+    return 0
+
+
+def _quantized(key: str) -> torch.nn.Module:
+    model = build_random_model(MODEL_SHAPES[key], "cuda")
+    quantize_nf4_(model)
+    return model
+
+
+if __name__ == "__main__":
+    sys.exit(main())
