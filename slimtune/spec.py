@@ -163,6 +163,16 @@ class TrainSpec(_Section):
         "of kernel names.")
     num_gpus: int = Field(1, ge=1, le=64, description="Data-parallel GPUs on this host (torchrun).")
 
+    @field_validator("kernels")
+    @classmethod
+    def _kernels(cls, v: str | list[str]) -> str | list[str]:
+        from slimtune.kernels.apply import KERNEL_NAMES
+
+        unknown = [] if isinstance(v, str) else [k for k in v if k not in KERNEL_NAMES]
+        if unknown:
+            raise ValueError(f"unknown kernel(s) {unknown}; use auto, off or names from {list(KERNEL_NAMES)}")
+        return v
+
 
 class MergeSpec(_Section):
     """Merging the adapter into 16-bit weights."""

@@ -55,6 +55,26 @@ def test_family_loads_in_nf4_and_trains(family, tmp_path):
     assert losses[-1] < losses[0]
 
 
+def test_attach_lora_applies_the_spec_kernels(tmp_path):
+    """train.kernels reaches the model in the pipeline: auto on a CPU picks none (and says why); named
+    kernels run under the Triton interpreter the tests set up."""
+    model_dir = save_tiny(tmp_path / "m", "llama")
+    spec = _spec(model_dir, gradient_checkpointing="unsloth", dropout=0.0)
+    auto = attach_lora(spec, load_4bit(spec).handle)
+    assert auto.kernels == {} and "no CUDA device" in auto.kernels_skipped["rms_norm"]
+    registry.release_all()
+
+    spec.train.kernels = ["rms_norm", "swiglu", "lora_nf4"]
+    lora = attach_lora(spec, load_4bit(spec).handle)
+    assert lora.kernels == {"rms_norm": 9, "swiglu": 4, "lora_nf4": 28}, lora.kernels_skipped
+    peft_model = registry.get(lora.handle)
+    ids = torch.randint(0, 800, (2, 16))
+    loss = peft_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in peft_model.parameters() if p.requires_grad)
+
+
 def test_rslora_all_linear_and_bias_options(tmp_path):
     model_dir = save_tiny(tmp_path / "m", "llama")
     spec = _spec(model_dir, target_modules="all-linear", use_rslora=True, r=8, alpha=16, bias="lora_only",

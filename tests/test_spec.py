@@ -29,6 +29,7 @@ def _problems(raw: dict) -> list[str]:
     ({"train": {"learning_rate": 0}}, "train.learning_rate", "greater than 0"),
     ({"train": {"optimizer": "sgd"}}, "train.optimizer", "adamw_torch"),
     ({"train": {"warmup": 10}}, "train.warmup", "unknown key"),
+    ({"train": {"kernels": ["rms_norm", "flash"]}}, "train.kernels", "unknown kernel(s) ['flash']"),
     ({"trainer": {}}, "trainer", "unknown key"),
     ({"data": {"path": "missing.jsonl"}}, "data.path", "file not found"),
     ({"data": {"max_seq_length": 8}}, "data.max_seq_length", "greater than or equal to 16"),

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from slimtune import registry
+from slimtune.kernels import apply_kernels
 from slimtune.memory.checkpointing import enable_checkpointing
 from slimtune.spec import PipelineSpec
 
@@ -26,6 +27,8 @@ class LoraResult:
     target_modules: list[str]
     gradient_checkpointing: str
     offloading: bool
+    kernels: dict[str, int]  # kernel name -> modules patched (train.kernels)
+    kernels_skipped: dict[str, str]  # kernel name -> why not
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,9 +70,12 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
         _offload_frozen_embeddings(peft_model, device)
     checkpointing = enable_checkpointing(peft_model, spec.lora.gradient_checkpointing)
     peft_model.config.use_cache = False
+    kernels = apply_kernels(peft_model, spec.train.kernels)  # logs what it applied and skipped, and why
     registry.replace(handle, peft_model)
-    # The checkpointing handle holds pinned host buffers: it lives in the registry so cleanup frees it too.
+    # The checkpointing handle holds pinned host buffers, the kernel patch the patched modules (and a
+    # host-resident embedding table): both live in the registry so cleanup drops them with the model.
     ckpt_handle = registry.put("checkpointing", checkpointing)
+    registry.put("kernels", kernels)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
     targets = sorted(peft_model.peft_config["default"].target_modules)
@@ -77,4 +83,5 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
              trainable, total, spec.lora.gradient_checkpointing)
     return LoraResult(handle=handle, checkpointing_handle=ckpt_handle, trainable_parameters=trainable, total_parameters=total,
                       target_modules=targets, gradient_checkpointing=str(spec.lora.gradient_checkpointing),
-                      offloading=checkpointing.offloading)
+                      offloading=checkpointing.offloading, kernels=dict(kernels.modules),
+                      kernels_skipped=dict(kernels.skipped))
