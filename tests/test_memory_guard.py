@@ -232,6 +232,20 @@ def test_clean_memory_frees_reference_cycles():
         gc.enable()
 
 
+def test_clean_memory_drops_the_nf4_dequantization_scratch():
+    """Module state, not model state: it outlived the model and kept cleanup 32 MiB off baseline (1B on an H100)."""
+    import bitsandbytes.functional as bnbf
+
+    from slimtune.kernels import nf4
+
+    packed, state = bnbf.quantize_4bit(torch.randn(64, 128), blocksize=64, compress_statistics=True,
+                                       quant_type="nf4")
+    nf4.dequantize_nf4_scratch(packed, state)
+    assert nf4._SCRATCH
+    clean_memory()
+    assert not nf4._SCRATCH
+
+
 # --- ladders ----------------------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 
 import torch
 
@@ -18,6 +19,11 @@ def clean_memory(passes: int = 3) -> int:
         Bytes still allocated by torch on the current CUDA device afterwards (0 without CUDA), so
         callers can compare with a baseline.
     """
+    # The NF4 kernel's dequantization scratch (the largest weight of the model, e.g. 112 MiB for an 8B)
+    # is module state, not model state: drop it too. Only if loaded: importing it would import triton.
+    nf4 = sys.modules.get("slimtune.kernels.nf4")
+    if nf4 is not None:
+        nf4.release_scratch()
     # Skipping uninitialised CUDA avoids creating a ~500 MiB context just to clean it.
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     for _ in range(passes):
