@@ -73,6 +73,11 @@ def test_attach_lora_applies_the_spec_kernels(tmp_path):
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None for p in peft_model.parameters() if p.requires_grad)
+    registry.release_all()
+
+    spec.train.kernels, spec.train.num_gpus = ["host_embedding"], 2  # a DDP worker's spec
+    ddp = attach_lora(spec, load_4bit(spec).handle)
+    assert ddp.kernels == {} and "DDP" in ddp.kernels_skipped["host_embedding"]
 
 
 def test_rslora_all_linear_and_bias_options(tmp_path):

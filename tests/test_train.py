@@ -233,3 +233,12 @@ def test_one_process_trains_on_one_device_even_when_more_gpus_are_visible(base_d
                                                         num_items_in_batch=items)
     expected = model(input_ids=ids, labels=ids, num_items_in_batch=items).loss
     torch.testing.assert_close(loss, expected)  # not 2x: no DataParallel scaling for a one-device run
+
+
+def test_model_device_is_where_the_trainable_weights_are():
+    """host_embedding leaves the first parameter (the embedding table) in host memory: not the run's device."""
+    from slimtune.train.options import model_device
+
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 2, device="meta"), torch.nn.Linear(2, 2))
+    model[0].weight.requires_grad_(False)
+    assert model_device(model).type == "cpu"

@@ -111,8 +111,12 @@ def _resolve(selection, device_type: str, family: str | None) -> tuple[list[str]
     return list(dict.fromkeys(selection)), ""
 
 
-def apply_kernels(model: torch.nn.Module, selection: str | list[str] = "auto") -> KernelPatch:
-    """Swap Triton kernels into `model` (a transformers causal LM, optionally wrapped by peft)."""
+def apply_kernels(model: torch.nn.Module, selection: str | list[str] = "auto",
+                  exclude: dict[str, str] | None = None) -> KernelPatch:
+    """Swap Triton kernels into `model` (a transformers causal LM, optionally wrapped by peft).
+
+    `exclude` maps kernel names the caller cannot use to the reason, reported in `skipped`.
+    """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     family = getattr(config, "model_type", None)
@@ -122,6 +126,9 @@ def apply_kernels(model: torch.nn.Module, selection: str | list[str] = "auto") -
     if why_none:
         patch.skipped = {name: why_none for name in KERNEL_NAMES}
     for name in names:
+        if name in (exclude or {}):
+            patch.skipped[name] = exclude[name]
+            continue
         if family not in _FAMILY_KERNELS or name not in _FAMILY_KERNELS[family]:
             patch.skipped[name] = f"not supported for model family {family!r}"
             continue

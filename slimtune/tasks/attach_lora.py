@@ -70,7 +70,10 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
         _offload_frozen_embeddings(peft_model, device)
     checkpointing = enable_checkpointing(peft_model, spec.lora.gradient_checkpointing)
     peft_model.config.use_cache = False
-    kernels = apply_kernels(peft_model, spec.train.kernels)  # logs what it applied and skipped, and why
+    # DDP wants every parameter on the rank's GPU (it checks device types and broadcasts them at wrap time)
+    ddp = {"host_embedding": "train.num_gpus > 1: DDP keeps every parameter on the rank's GPU"}
+    kernels = apply_kernels(peft_model, spec.train.kernels,  # logs what it applied and skipped, and why
+                            exclude=ddp if spec.train.num_gpus > 1 else None)
     registry.replace(handle, peft_model)
     # The checkpointing handle holds pinned host buffers, the kernel patch the patched modules (and a
     # host-resident embedding table): both live in the registry so cleanup drops them with the model.

@@ -49,8 +49,13 @@ def choose_batching(model: torch.nn.Module, requested: BatchMode) -> Batching:
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
-    """Device of the model's first parameter (the one Trainer must not move it from)."""
-    return next(model.parameters()).device
+    """The device the model trains on: its trainable (LoRA) parameters'.
+
+    Not simply the first parameter's: that is the input-embedding table, which the `host_embedding`
+    kernel keeps in host memory; taken for the device, it sent the whole run to the CPU.
+    """
+    params = list(model.parameters())
+    return next((p.device for p in params if p.requires_grad), params[0].device)
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
