@@ -34,7 +34,7 @@ from benchmarks.common import (
     trainable_parameters,
     write_json_atomic,
 )
-from benchmarks.runner import _prepare
+from benchmarks.runner import _prepare, ours_loss
 
 # Substrings of kernel names, checked in order; the first match names the category.
 _CATEGORIES = (
@@ -63,10 +63,10 @@ def _prepare_variant(config: str, model: torch.nn.Module):
 
     if config == "ours_nogc":
         patch = apply_kernels(model, "auto")
-        return _loss, {"kernels": patch.modules}, patch.undo
+        return ours_loss, {"kernels": patch.modules}, patch.undo
     if config == "ours_nokernels":
         handle = enable_checkpointing(model, "unsloth")
-        return _loss, {"offloading": handle.offloading}, handle.undo
+        return ours_loss, {"offloading": handle.offloading}, handle.undo
     if config.startswith("ours_no_"):
         left_out = config.removeprefix("ours_no_")
         if left_out not in KERNEL_NAMES:
@@ -78,12 +78,8 @@ def _prepare_variant(config: str, model: torch.nn.Module):
             patch.undo()
             handle.undo()
 
-        return _loss, {"kernels": patch.modules}, undo
+        return ours_loss, {"kernels": patch.modules}, undo
     return _prepare(config, model)
-
-
-def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
 
 def profile_config(model: torch.nn.Module, config: str, batch: int, seq: int, warmup: int,
