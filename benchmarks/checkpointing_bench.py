@@ -36,19 +36,41 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from slimtune.memory.checkpointing import enable_checkpointing  # noqa: E402
+from slimtune.memory.checkpointing import enable_checkpointing
 
 GiB = 1024**3
 _SHAPES = {
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-               rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                                    high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
     # A CPU smoke test of the harness itself (bitsandbytes NF4 runs on CPU).
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1000, max_position_embeddings=4096),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=4096,
+    ),
 }
 _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 def _build(shape: str, device: torch.device) -> nn.Module:
     """Random-init bf16 Llama built on the device, its decoder linears NF4-quantized in place, plus LoRA."""
     import bitsandbytes as bnb
@@ -69,32 +91,59 @@ def _build(shape: str, device: torch.device) -> nn.Module:
             if type(child) is nn.Linear and name != "lm_head":
                 setattr(parent, name, _nf4_linear(bnb, child))
     model.is_loaded_in_4bit = True  # peft picks its bitsandbytes LoRA layers from this flag
-    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-                      target_modules=_TARGETS)
+    lora = LoraConfig(
+        r=16, lora_alpha=16, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", target_modules=_TARGETS
+    )
     return get_peft_model(model, lora)
 
 
 def _nf4_linear(bnb: Any, linear: nn.Linear) -> nn.Module:
-    packed, state = bnb.functional.quantize_4bit(linear.weight.data, blocksize=64, compress_statistics=True,
-                                                 quant_type="nf4")
-    q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                          compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
-                          device="meta")
-    q.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=64,
-                                 compress_statistics=True, quant_type="nf4", module=q, bnb_quantized=True)
+    packed, state = bnb.functional.quantize_4bit(
+        linear.weight.data, blocksize=64, compress_statistics=True, quant_type="nf4"
+    )
+    q = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        compute_dtype=torch.bfloat16,
+        compress_statistics=True,
+        quant_type="nf4",
+        device="meta",
+    )
+    q.weight = bnb.nn.Params4bit(
+        packed,
+        requires_grad=False,
+        quant_state=state,
+        blocksize=64,
+        compress_statistics=True,
+        quant_type="nf4",
+        module=q,
+        bnb_quantized=True,
+    )
     q.quant_state = state
     if linear.bias is not None:
         q.bias = linear.bias
     return q
 
 
-def _run_config(model: nn.Module, name: str, mode: Any, kernels: str | list[str] | None, batch: int,
-                args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def _run_config(
+    model: nn.Module,
+    name: str,
+    mode: Any,
+    kernels: str | list[str] | None,
+    batch: int,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> dict[str, Any]:
     cuda = device.type == "cuda"
     base = model.get_base_model()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    rec: dict[str, Any] = dict(config=name, batch=batch, seq=args.seq,
-                               kernels=kernels if isinstance(kernels, str) else ",".join(kernels or ["none"]))
+    rec: dict[str, Any] = dict(
+        config=name,
+        batch=batch,
+        seq=args.seq,
+        kernels=kernels if isinstance(kernels, str) else ",".join(kernels or ["none"]),
+    )
     handle = patch = None
     gc.collect()
     if cuda:
@@ -133,16 +182,23 @@ def _run_config(model: nn.Module, name: str, mode: Any, kernels: str | list[str]
             del loss
             if step >= args.warmup:
                 times.append(dt)
-        rec.update(ok=True, tokens_per_s=round(batch * args.seq * len(times) / sum(times), 1),
-                   median_step_s=round(statistics.median(times), 4), min_step_s=round(min(times), 4),
-                   max_step_s=round(max(times), 4), loss_first=round(losses[0], 4),
-                   loss_last=round(losses[-1], 4))
+        rec.update(
+            ok=True,
+            tokens_per_s=round(batch * args.seq * len(times) / sum(times), 1),
+            median_step_s=round(statistics.median(times), 4),
+            min_step_s=round(min(times), 4),
+            max_step_s=round(max(times), 4),
+            loss_first=round(losses[0], 4),
+            loss_last=round(losses[-1], 4),
+        )
         if handle is not None:
             s = handle.stats()
-            rec.update(offloading=handle.offloading,
-                       offloaded_gib_per_step=round(s.offloaded_bytes_per_step / GiB, 3),
-                       host_buffer_gib=round(s.host_buffer_bytes / GiB, 3),
-                       pageable_fallback=s.pageable_fallback)
+            rec.update(
+                offloading=handle.offloading,
+                offloaded_gib_per_step=round(s.offloaded_bytes_per_step / GiB, 3),
+                host_buffer_gib=round(s.host_buffer_bytes / GiB, 3),
+                pageable_fallback=s.pageable_fallback,
+            )
     except torch.OutOfMemoryError as err:
         rec.update(ok=False, error="OOM: " + str(err).splitlines()[0][:200])
     except Exception as err:  # one broken config must not lose the others' numbers
@@ -158,8 +214,10 @@ def _run_config(model: nn.Module, name: str, mode: Any, kernels: str | list[str]
         elif handle is not None:
             handle.undo()
         if cuda:
-            rec.update(peak_alloc_gib=round(torch.cuda.max_memory_allocated() / GiB, 2),
-                       peak_reserved_gib=round(torch.cuda.max_memory_reserved() / GiB, 2))
+            rec.update(
+                peak_alloc_gib=round(torch.cuda.max_memory_allocated() / GiB, 2),
+                peak_reserved_gib=round(torch.cuda.max_memory_reserved() / GiB, 2),
+            )
     print(json.dumps(rec), flush=True)
     return rec
 
@@ -177,17 +235,20 @@ _CONFIGS: dict[str, tuple[Any, str | list[str] | None]] = {  # name -> (mode, sl
 
 
 def _table(records: list[dict[str, Any]]) -> str:
-    lines = ["| config | batch | kernels | tokens/s | median step s | peak alloc GiB | peak reserved GiB "
-             "| note |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| config | batch | kernels | tokens/s | median step s | peak alloc GiB | peak reserved GiB | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in records:
         note = r.get("error", "")[:90]
         if r.get("offloading"):
             note = f"offloaded {r['offloaded_gib_per_step']} GiB/step"
             note += " (pageable)" if r["pageable_fallback"] else ""
-        lines.append(f"| {r['config']} | {r['batch']} | {r['kernels']} | {r.get('tokens_per_s', '-')} | "
-                     f"{r.get('median_step_s', '-')} | {r.get('peak_alloc_gib', '-')} | "
-                     f"{r.get('peak_reserved_gib', '-')} | {note} |")
+        lines.append(
+            f"| {r['config']} | {r['batch']} | {r['kernels']} | {r.get('tokens_per_s', '-')} | "
+            f"{r.get('median_step_s', '-')} | {r.get('peak_alloc_gib', '-')} | "
+            f"{r.get('peak_reserved_gib', '-')} | {note} |"
+        )
     return "\n".join(lines)
 
 
@@ -198,8 +259,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,4")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--configs", default=",".join(_CONFIGS),
-                   help="comma-separated, from: " + ", ".join(_CONFIGS))
+    p.add_argument("--configs", default=",".join(_CONFIGS), help="comma-separated, from: " + ", ".join(_CONFIGS))
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -207,17 +267,26 @@ def main() -> None:
     import peft
     import transformers
 
-    env = dict(torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__,
-               bitsandbytes=bitsandbytes.__version__, device=str(device), shape=args.shape,
-               gpu=torch.cuda.get_device_name(0) if device.type == "cuda" else None)
+    env = dict(
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        peft=peft.__version__,
+        bitsandbytes=bitsandbytes.__version__,
+        device=str(device),
+        shape=args.shape,
+        gpu=torch.cuda.get_device_name(0) if device.type == "cuda" else None,
+    )
     t0 = time.perf_counter()
     model = _build(args.shape, device)
     env["build_s"] = round(time.perf_counter() - t0, 1)
     if device.type == "cuda":
         env["static_alloc_gib"] = round(torch.cuda.memory_allocated() / GiB, 2)
     print(json.dumps(env), flush=True)
-    records = [_run_config(model, name, *_CONFIGS[name], int(b), args, device)
-               for name in args.configs.split(",") for b in args.batches.split(",")]
+    records = [
+        _run_config(model, name, *_CONFIGS[name], int(b), args, device)
+        for name in args.configs.split(",")
+        for b in args.batches.split(",")
+    ]
     out = Path(os.environ.get("OUT", "bench_out"))
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".checkpointing_bench.json.tmp"

@@ -48,30 +48,95 @@ class ModelShape:
     config: dict[str, Any] = field(default_factory=dict)
 
 
-_LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=8192)
+_LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 MODEL_SHAPES: dict[str, ModelShape] = {
-    "1b": ModelShape("1b", "Llama-3.2-1B", "llama", dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
-        tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
-        rope_parameters={**_LLAMA3_ROPE, "factor": 32.0})),
-    "8b": ModelShape("8b", "Llama-3.1-8B", "llama", dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
-        tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
-        rope_parameters={**_LLAMA3_ROPE, "factor": 8.0})),
-    "qwen7b": ModelShape("qwen7b", "Qwen2.5-7B", "qwen2", dict(
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072, tie_word_embeddings=False,
-        rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643, use_sliding_window=False,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    "1b": ModelShape(
+        "1b",
+        "Llama-3.2-1B",
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            bos_token_id=128000,
+            eos_token_id=128001,
+            rope_parameters={**_LLAMA3_ROPE, "factor": 32.0},
+        ),
+    ),
+    "8b": ModelShape(
+        "8b",
+        "Llama-3.1-8B",
+        "llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            bos_token_id=128000,
+            eos_token_id=128001,
+            rope_parameters={**_LLAMA3_ROPE, "factor": 8.0},
+        ),
+    ),
+    "qwen7b": ModelShape(
+        "qwen7b",
+        "Qwen2.5-7B",
+        "qwen2",
+        dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            max_position_embeddings=131072,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+            bos_token_id=151643,
+            eos_token_id=151643,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
     # CPU smoke tests only: every code path of the real shapes (GQA, untied head) at toy size.
-    "tiny": ModelShape("tiny", "tiny-llama", "llama", dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, vocab_size=1024, max_position_embeddings=512,
-        tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    "tiny": ModelShape(
+        "tiny",
+        "tiny-llama",
+        "llama",
+        dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=1024,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
 }
 
 
@@ -84,8 +149,9 @@ def build_config(shape: ModelShape):
     return cfg
 
 
-def build_random_model(shape: ModelShape, device: str, dtype: torch.dtype = torch.bfloat16,
-                       seed: int = SEED) -> torch.nn.Module:
+def build_random_model(
+    shape: ModelShape, device: str, dtype: torch.dtype = torch.bfloat16, seed: int = SEED
+) -> torch.nn.Module:
     """Allocate and initialise the model directly on `device` in `dtype` (no host copy: an 8B model in
     bf16 is 16 GB, which would otherwise pass through host RAM)."""
     from transformers import AutoModelForCausalLM
@@ -95,8 +161,7 @@ def build_random_model(shape: ModelShape, device: str, dtype: torch.dtype = torc
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(build_config(shape), dtype=dtype,
-                                                     attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(build_config(shape), dtype=dtype, attn_implementation="sdpa")
     finally:
         torch.set_default_dtype(previous)
     return model
@@ -116,11 +181,24 @@ def quantize_nf4_(model: torch.nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear or name == "lm_head":
                 continue
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                  compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
-                                  quant_storage=torch.uint8, device="meta")
-            weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
-                                       quant_type="nf4", quant_storage=torch.uint8, module=q)
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=torch.bfloat16,
+                compress_statistics=True,
+                quant_type="nf4",
+                quant_storage=torch.uint8,
+                device="meta",
+            )
+            weight = bnb.nn.Params4bit(
+                child.weight.data,
+                requires_grad=False,
+                compress_statistics=True,
+                quant_type="nf4",
+                quant_storage=torch.uint8,
+                module=q,
+            )
             q.weight = weight.to(child.weight.device)  # .to() on an unquantized Params4bit quantizes it
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
@@ -135,8 +213,9 @@ def attach_lora(model: torch.nn.Module, rank: int = LORA_RANK):
     """peft LoRA of rank `rank` (alpha = rank, no dropout) on the seven projections, as in the reference."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-                     target_modules=list(LORA_TARGETS))
+    cfg = LoraConfig(
+        r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", target_modules=list(LORA_TARGETS)
+    )
     return get_peft_model(model, cfg)
 
 
@@ -160,8 +239,7 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def random_batch(vocab_size: int, batch: int, seq: int, device: str,
-                 seed: int = SEED) -> dict[str, torch.Tensor]:
+def random_batch(vocab_size: int, batch: int, seq: int, device: str, seed: int = SEED) -> dict[str, torch.Tensor]:
     """Token ids drawn uniformly from the vocabulary; labels equal inputs (transformers shifts them)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(0, vocab_size, (batch, seq), generator=gen).to(device)
@@ -228,8 +306,9 @@ class GpuPeak:
             self.peak_reserved = torch.cuda.max_memory_reserved()
 
 
-def run_steps(step: Callable[[], torch.Tensor], warmup: int, steps: int,
-              device: str) -> tuple[list[float], list[float]]:
+def run_steps(
+    step: Callable[[], torch.Tensor], warmup: int, steps: int, device: str
+) -> tuple[list[float], list[float]]:
     """Run `warmup + steps` training steps; return the timed steps' seconds and every step's loss.
 
     Each step is bracketed by a device synchronize so the host clock covers the GPU work, including the
@@ -251,8 +330,13 @@ def run_steps(step: Callable[[], torch.Tensor], warmup: int, steps: int,
 def step_stats(times: list[float], tokens_per_step: int) -> dict[str, float]:
     """tokens/s from the median timed step, and min/median/max so that noise is visible."""
     med = statistics.median(times)
-    return {"tokens_per_s": round(tokens_per_step / med, 1), "step_s_min": round(min(times), 4),
-            "step_s_median": round(med, 4), "step_s_max": round(max(times), 4), "steps_timed": len(times)}
+    return {
+        "tokens_per_s": round(tokens_per_step / med, 1),
+        "step_s_min": round(min(times), 4),
+        "step_s_median": round(med, 4),
+        "step_s_max": round(max(times), 4),
+        "steps_timed": len(times),
+    }
 
 
 def gib(n: int | None) -> float | None:
@@ -277,8 +361,9 @@ def save_word_tokenizer(out_dir: Path, vocab_words: int = 252) -> None:
     vocab = {tok: i for i, tok in enumerate(specials + [f"w{i}" for i in range(vocab_words)])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>").save_pretrained(str(out_dir))
+    PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    ).save_pretrained(str(out_dir))
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -300,11 +385,21 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
-
-
 ERROR_CHARS = 400  # an error in a row is one line, enough to name the cause
-VERSIONED = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "triton", "liger-kernel",
-             "unsloth", "unsloth_zoo", "trl", "gguf", "prefect")
+VERSIONED = (
+    "torch",
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "accelerate",
+    "triton",
+    "liger-kernel",
+    "unsloth",
+    "unsloth_zoo",
+    "trl",
+    "gguf",
+    "prefect",
+)
 
 
 def error_text(e: BaseException) -> str:
@@ -336,12 +431,20 @@ def package_version(dist: str) -> str | None:
 
 def environment(device: str) -> dict[str, Any]:
     """Versions and the GPU, read without creating a CUDA context (nvidia-smi, package metadata)."""
-    env: dict[str, Any] = {"python": platform.python_version(), "cuda": torch.version.cuda, "device": device,
-                           "versions": {d: package_version(d) for d in VERSIONED}}
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "device": device,
+        "versions": {d: package_version(d) for d in VERSIONED},
+    }
     if device.startswith("cuda"):
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             name, mem, driver = [s.strip() for s in out.stdout.splitlines()[0].split(",")]
             env.update(gpu=name, gpu_memory=mem, driver=driver)
         except (OSError, IndexError, ValueError, subprocess.TimeoutExpired) as e:
@@ -353,13 +456,32 @@ def environment(device: str) -> dict[str, Any]:
 
 def make_row(model_key: str, config: str, batch: int, seq: int, status: str, **extra: Any) -> dict[str, Any]:
     """A result row; measured fields are added by `measure_training`, failures carry `error`."""
-    return {"kind": "row", "model": model_key, "model_name": MODEL_SHAPES[model_key].name, "config": config,
-            "batch": batch, "seq": seq, "status": status, "error": None, **extra}
+    return {
+        "kind": "row",
+        "model": model_key,
+        "model_name": MODEL_SHAPES[model_key].name,
+        "config": config,
+        "batch": batch,
+        "seq": seq,
+        "status": status,
+        "error": None,
+        **extra,
+    }
 
 
-def measure_training(model: torch.nn.Module, loss_fn: Callable, *, model_key: str, config: str, batch: int,
-                     seq: int, warmup: int, steps: int, device: str,
-                     notes: dict[str, Any] | None = None) -> dict[str, Any]:
+def measure_training(
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    *,
+    model_key: str,
+    config: str,
+    batch: int,
+    seq: int,
+    warmup: int,
+    steps: int,
+    device: str,
+    notes: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Train `warmup + steps` steps of one (config, batch) and return its row; never raises.
 
     Every row starts from the same LoRA init and the same batch, under bf16 autocast with AdamW, with
@@ -387,8 +509,7 @@ def measure_training(model: torch.nn.Module, loss_fn: Callable, *, model_key: st
     try:
         with rss, mem:
             times, losses = run_steps(step, warmup, steps, device)
-        row.update(step_stats(times, batch * seq), loss_first=round(losses[0], 4),
-                   loss_last=round(losses[-1], 4))
+        row.update(step_stats(times, batch * seq), loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4))
         if not all(math.isfinite(x) for x in losses):  # NaN/inf: a broken run, not a speed
             row.update(status="error", error=f"non-finite loss: {losses}")
     except torch.OutOfMemoryError as e:
@@ -400,7 +521,11 @@ def measure_training(model: torch.nn.Module, loss_fn: Callable, *, model_key: st
         opt.zero_grad(set_to_none=True)
         opt.state.clear()  # AdamW's two moments per LoRA weight; the next row allocates its own
         free_memory(device)
-    row.update(peak_allocated_gib=gib(mem.peak_allocated), peak_reserved_gib=gib(mem.peak_reserved),
-               static_allocated_gib=gib(mem.static_allocated), host_rss_start_gib=gib(rss.start),
-               host_rss_peak_gib=gib(rss.peak))
+    row.update(
+        peak_allocated_gib=gib(mem.peak_allocated),
+        peak_reserved_gib=gib(mem.peak_reserved),
+        static_allocated_gib=gib(mem.static_allocated),
+        host_rss_start_gib=gib(rss.start),
+        host_rss_peak_gib=gib(rss.peak),
+    )
     return row

@@ -25,8 +25,15 @@ sys.path.insert(0, str(_REPO))
 
 # A ~0.5B Llama (hidden 1536, 16 layers, the tiny tokenizer's vocabulary): big enough that a step is GPU
 # bound, small enough that building it and two runs fit in a few minutes.
-_SHAPE = dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16,
-              num_key_value_heads=4, head_dim=96, max_position_embeddings=4096)
+_SHAPE = dict(
+    hidden_size=1536,
+    intermediate_size=6144,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=96,
+    max_position_embeddings=4096,
+)
 
 
 def _build_model(out: Path) -> Path:
@@ -40,8 +47,14 @@ def _build_model(out: Path) -> Path:
 
     tok = AutoTokenizer.from_pretrained(ensure_builtin("builtin:tiny-llama"))
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **_SHAPE)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        **_SHAPE,
+    )
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
@@ -59,24 +72,36 @@ def _write_data(path: Path, examples: int, words: int) -> Path:
         for _ in range(examples):
             q = " ".join(rng.choices(vocab, k=words // 4))
             a = " ".join(rng.choices(vocab, k=words))
-            f.write(json.dumps({"messages": [{"role": "user", "content": q},
-                                             {"role": "assistant", "content": a}]}) + "\n")
+            f.write(
+                json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+            )
     return path
 
 
 def _spec(model_dir: Path, data: Path, out: Path, name: str, gpus: int, args: argparse.Namespace):
     from slimtune.spec import parse_spec
 
-    return parse_spec({
-        "name": name, "output_dir": str(out),
-        "model": {"name_or_path": str(model_dir), "device": "auto"},
-        "lora": {"r": 16, "alpha": 16, "gradient_checkpointing": "unsloth"},
-        "data": {"path": str(data), "max_seq_length": args.seq, "eval_fraction": 0.02},
-        "train": {"micro_batch_size": args.micro * (args.gpus // gpus), "max_steps": args.steps,
-                  "learning_rate": 2e-4, "warmup_steps": 2, "save_steps": args.steps, "seed": 0,
-                  "resume": False, "num_gpus": gpus},
-        "merge": {"enabled": False}, "export": {"gguf": []},
-    })
+    return parse_spec(
+        {
+            "name": name,
+            "output_dir": str(out),
+            "model": {"name_or_path": str(model_dir), "device": "auto"},
+            "lora": {"r": 16, "alpha": 16, "gradient_checkpointing": "unsloth"},
+            "data": {"path": str(data), "max_seq_length": args.seq, "eval_fraction": 0.02},
+            "train": {
+                "micro_batch_size": args.micro * (args.gpus // gpus),
+                "max_steps": args.steps,
+                "learning_rate": 2e-4,
+                "warmup_steps": 2,
+                "save_steps": args.steps,
+                "seed": 0,
+                "resume": False,
+                "num_gpus": gpus,
+            },
+            "merge": {"enabled": False},
+            "export": {"gguf": []},
+        }
+    )
 
 
 def _single(spec) -> dict:
@@ -88,9 +113,15 @@ def _single(spec) -> dict:
     loaded = load_4bit(spec)
     lora = attach_lora(spec, loaded.handle)
     examples = prepare_data(spec, loaded.model_dir)
-    report = packed_sft(spec, lora.handle, lora.checkpointing_handle, examples,
-                        micro_batch_size=spec.train.micro_batch_size, gradient_accumulation_steps=1,
-                        gradient_checkpointing=spec.lora.gradient_checkpointing)
+    report = packed_sft(
+        spec,
+        lora.handle,
+        lora.checkpointing_handle,
+        examples,
+        micro_batch_size=spec.train.micro_batch_size,
+        gradient_accumulation_steps=1,
+        gradient_checkpointing=spec.lora.gradient_checkpointing,
+    )
     registry.release_all()
     return asdict(report)
 
@@ -118,16 +149,24 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     single = _single(_spec(model_dir, data, work / "runs", "single", 1, args))
     spec = _spec(model_dir, data, work / "runs", "ddp", args.gpus, args)
-    multi = ddp.launch(spec, micro_batch_size=args.micro, gradient_accumulation_steps=1,
-                       gradient_checkpointing="unsloth")
+    multi = ddp.launch(
+        spec, micro_batch_size=args.micro, gradient_accumulation_steps=1, gradient_checkpointing="unsloth"
+    )
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(single["losses"], multi["losses"])]
     result = {
-        "gpus": args.gpus, "micro_per_gpu": args.micro, "effective_rows": args.micro * args.gpus, "seq": args.seq,
-        "steps": args.steps, "shape": _SHAPE,
+        "gpus": args.gpus,
+        "micro_per_gpu": args.micro,
+        "effective_rows": args.micro * args.gpus,
+        "seq": args.seq,
+        "steps": args.steps,
+        "shape": _SHAPE,
         "single": {k: single[k] for k in ("losses", "tokens_per_s", "eval_loss_after", "seconds")},
-        "ddp": {k: multi[k] for k in ("losses", "tokens_per_s", "tokens_per_s_all_ranks", "ranks",
-                                      "eval_loss_after", "seconds")},
-        "loss_abs_diff_max": max(diffs), "loss_abs_diff_mean": sum(diffs) / len(diffs),
+        "ddp": {
+            k: multi[k]
+            for k in ("losses", "tokens_per_s", "tokens_per_s_all_ranks", "ranks", "eval_loss_after", "seconds")
+        },
+        "loss_abs_diff_max": max(diffs),
+        "loss_abs_diff_mean": sum(diffs) / len(diffs),
         "loss_final": [single["losses"][-1]["loss"], multi["losses"][-1]["loss"]],
         "scaling": multi["tokens_per_s_all_ranks"] / single["tokens_per_s"],
         "wall_s": time.perf_counter() - began,
@@ -137,11 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     tmp = out / ".ddp_bench.json.tmp"
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(out / "ddp_bench.json")
-    print(f"ddp_bench: {args.gpus} GPUs vs 1 at {result['effective_rows']}x{args.seq} tokens/step, {args.steps} "
-          f"steps: loss diff max {result['loss_abs_diff_max']:.4f} mean {result['loss_abs_diff_mean']:.4f}, "
-          f"final {result['loss_final'][0]:.4f} vs {result['loss_final'][1]:.4f}; tokens/s "
-          f"{single['tokens_per_s']:.0f} -> {multi['tokens_per_s_all_ranks']:.0f} "
-          f"(x{result['scaling']:.2f}, {100 * result['efficiency']:.0f}% efficiency)")
+    print(
+        f"ddp_bench: {args.gpus} GPUs vs 1 at {result['effective_rows']}x{args.seq} tokens/step, {args.steps} "
+        f"steps: loss diff max {result['loss_abs_diff_max']:.4f} mean {result['loss_abs_diff_mean']:.4f}, "
+        f"final {result['loss_final'][0]:.4f} vs {result['loss_final'][1]:.4f}; tokens/s "
+        f"{single['tokens_per_s']:.0f} -> {multi['tokens_per_s_all_ranks']:.0f} "
+        f"(x{result['scaling']:.2f}, {100 * result['efficiency']:.0f}% efficiency)"
+    )
     return 0
 
 

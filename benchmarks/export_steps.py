@@ -63,8 +63,14 @@ def export_step(step: str, model_key: str, device: str, scratch: Path) -> dict[s
                 model.save_pretrained(str(base_dir), max_shard_size="2GB")
                 build_tokenizer().save_pretrained(str(base_dir))
                 # init_lora_weights=False draws B at random too: the merge really changes every target.
-                cfg = LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0, init_lora_weights=False,
-                                 task_type="CAUSAL_LM", target_modules=list(LORA_TARGETS))
+                cfg = LoraConfig(
+                    r=LORA_RANK,
+                    lora_alpha=LORA_RANK,
+                    lora_dropout=0.0,
+                    init_lora_weights=False,
+                    task_type="CAUSAL_LM",
+                    target_modules=list(LORA_TARGETS),
+                )
                 get_peft_model(model, cfg).save_pretrained(str(adapter_dir))
                 return [base_dir, adapter_dir]
         elif step == "merge":
@@ -82,8 +88,7 @@ def export_step(step: str, model_key: str, device: str, scratch: Path) -> dict[s
         else:
             raise ValueError(f"unknown export step {step!r}; use prep, merge or gguf")
     except ImportError as e:
-        return {"kind": "export", "step": step, "model": model_key, "status": "not available",
-                "error": error_text(e)}
+        return {"kind": "export", "step": step, "model": model_key, "status": "not available", "error": error_text(e)}
     rec = _measure("gguf f16" if step == "gguf" else step, fn, device)
     rec.update(model=model_key, **extra)
     return rec

@@ -41,8 +41,11 @@ def _measure(fwd: Callable[[], object], loss_of: Callable[[object], torch.Tensor
     peak = torch.cuda.max_memory_allocated() - base
     with torch.no_grad():
         fwd_ms = triton.testing.do_bench(fwd)
-    return {"fwd_ms": round(fwd_ms, 4), "fwd_bwd_ms": round(triton.testing.do_bench(fwd_bwd), 4),
-            "peak_extra_mib": round(peak / 2**20, 1)}
+    return {
+        "fwd_ms": round(fwd_ms, 4),
+        "fwd_bwd_ms": round(triton.testing.do_bench(fwd_bwd), 4),
+        "peak_extra_mib": round(peak / 2**20, 1),
+    }
 
 
 def _sum_loss(out) -> torch.Tensor:
@@ -63,8 +66,10 @@ def bench_rms_norm(n: int) -> dict[str, Callable[[], dict]]:
 
     leaf = torch.randn(n, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.ones(H, device="cuda", dtype=torch.bfloat16)  # frozen, as norms are under LoRA
-    impls = {"eager": lambda: _measure(lambda: reference_rms_norm(leaf * 1, w, 1e-5), _sum_loss),
-             "slimtune": lambda: _measure(lambda: rms_norm(leaf * 1, w, 1e-5), _sum_loss)}
+    impls = {
+        "eager": lambda: _measure(lambda: reference_rms_norm(leaf * 1, w, 1e-5), _sum_loss),
+        "slimtune": lambda: _measure(lambda: rms_norm(leaf * 1, w, 1e-5), _sum_loss),
+    }
     liger = _liger("liger_rms_norm")
     if liger:
         impls["liger"] = lambda: _measure(lambda: liger(leaf * 1, w, 1e-5), _sum_loss)
@@ -82,12 +87,15 @@ def bench_rope(n: int) -> dict[str, Callable[[], dict]]:
     pos = torch.arange(seq, device="cuda").repeat(bsz, 1)
     emb = torch.cat([pos[..., None] * inv, pos[..., None] * inv], -1)
     cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
-    impls = {"eager": lambda: _measure(lambda: reference_rope(q_leaf * 1, k_leaf * 1, cos, sin), _sum_loss),
-             "slimtune": lambda: _measure(lambda: rope_(q_leaf * 1, k_leaf * 1, cos, sin), _sum_loss)}
+    impls = {
+        "eager": lambda: _measure(lambda: reference_rope(q_leaf * 1, k_leaf * 1, cos, sin), _sum_loss),
+        "slimtune": lambda: _measure(lambda: rope_(q_leaf * 1, k_leaf * 1, cos, sin), _sum_loss),
+    }
     liger = _liger("liger_rope")
     if liger:  # liger takes HF's [B, H, T, D] layout: the transposed views attention produces
         impls["liger"] = lambda: _measure(
-            lambda: liger((q_leaf * 1).transpose(1, 2), (k_leaf * 1).transpose(1, 2), cos, sin), _sum_loss)
+            lambda: liger((q_leaf * 1).transpose(1, 2), (k_leaf * 1).transpose(1, 2), cos, sin), _sum_loss
+        )
     return impls
 
 
@@ -96,8 +104,10 @@ def bench_gated(n: int, activation: str) -> dict[str, Callable[[], dict]]:
 
     g = torch.randn(n, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     u = torch.randn(n, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    impls = {"eager": lambda: _measure(lambda: reference_gated_act(g * 1, u * 1, activation), _sum_loss),
-             "slimtune": lambda: _measure(lambda: gated_act(g * 1, u * 1, activation), _sum_loss)}
+    impls = {
+        "eager": lambda: _measure(lambda: reference_gated_act(g * 1, u * 1, activation), _sum_loss),
+        "slimtune": lambda: _measure(lambda: gated_act(g * 1, u * 1, activation), _sum_loss),
+    }
     liger = _liger("liger_swiglu" if activation == "silu" else "liger_geglu")
     if liger:
         impls["liger"] = lambda: _measure(lambda: liger(g * 1, u * 1), _sum_loss)
@@ -112,8 +122,10 @@ def bench_fused_ce(n: int) -> dict[str, Callable[[], dict]]:
     labels = torch.randint(0, V, (n,), device="cuda")
     labels[: n // 4] = -100
     ident = lambda loss: loss  # noqa: E731
-    impls = {"eager": lambda: _measure(lambda: reference_linear_cross_entropy(hidden, weight, labels), ident),
-             "slimtune": lambda: _measure(lambda: fused_linear_cross_entropy(hidden, weight, labels), ident)}
+    impls = {
+        "eager": lambda: _measure(lambda: reference_linear_cross_entropy(hidden, weight, labels), ident),
+        "slimtune": lambda: _measure(lambda: fused_linear_cross_entropy(hidden, weight, labels), ident),
+    }
     liger = _liger("liger_fused_linear_cross_entropy")
     if liger:
         impls["liger"] = lambda: _measure(lambda: liger(hidden, weight, labels), ident)
@@ -132,8 +144,10 @@ def bench_nf4(_: int) -> dict[str, Callable[[], dict]]:
     def timed(fn):
         return lambda: {"fwd_ms": round(triton.testing.do_bench(fn), 4)}
 
-    return {"bitsandbytes": timed(lambda: bnbf.dequantize_4bit(packed, state, quant_type="nf4")),
-            "slimtune": timed(lambda: dequantize_nf4_scratch(packed, state))}
+    return {
+        "bitsandbytes": timed(lambda: bnbf.dequantize_4bit(packed, state, quant_type="nf4")),
+        "slimtune": timed(lambda: dequantize_nf4_scratch(packed, state)),
+    }
 
 
 def bench_lora(n: int, out_f: int, in_f: int) -> dict[str, Callable[[], dict]]:
@@ -142,10 +156,12 @@ def bench_lora(n: int, out_f: int, in_f: int) -> dict[str, Callable[[], dict]]:
 
     from slimtune.kernels.lora_linear import lora_nf4_linear
 
-    base = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=torch.bfloat16, compress_statistics=True,
-                             quant_type="nf4")
-    base.weight = bnb.nn.Params4bit((torch.randn(out_f, in_f) * 0.02).bfloat16(), requires_grad=False,
-                                    compress_statistics=True, quant_type="nf4")
+    base = bnb.nn.Linear4bit(
+        in_f, out_f, bias=False, compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4"
+    )
+    base.weight = bnb.nn.Params4bit(
+        (torch.randn(out_f, in_f) * 0.02).bfloat16(), requires_grad=False, compress_statistics=True, quant_type="nf4"
+    )
     base = base.cuda()
     holder = torch.nn.Module()
     holder.proj = base
@@ -157,9 +173,10 @@ def bench_lora(n: int, out_f: int, in_f: int) -> dict[str, Callable[[], dict]]:
     x = torch.randn(n, in_f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     state = base.weight.quant_state
     scale = layer.scaling["default"]
-    return {"peft+bnb": lambda: _measure(lambda: layer(x), _sum_loss),
-            "slimtune": lambda: _measure(lambda: lora_nf4_linear(x, base.weight, state, None, a, b, scale),
-                                         _sum_loss)}
+    return {
+        "peft+bnb": lambda: _measure(lambda: layer(x), _sum_loss),
+        "slimtune": lambda: _measure(lambda: lora_nf4_linear(x, base.weight, state, None, a, b, scale), _sum_loss),
+    }
 
 
 def main() -> int:
@@ -205,9 +222,14 @@ def main() -> int:
             print(f"{kernel:26s} {impl:12s} " + "  ".join(f"{k}={v}" for k, v in row.items()))
         del impls
         torch.cuda.empty_cache()
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "python": platform.python_version(),
-              "liger": _liger("liger_rms_norm") is not None, "results": results}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "python": platform.python_version(),
+        "liger": _liger("liger_rms_norm") is not None,
+        "results": results,
+    }
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".kernels_bench-", suffix=".json")

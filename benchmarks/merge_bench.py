@@ -27,9 +27,14 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 GPU_BUDGET, HOST_BUDGET = 2 * 1024**3, 8 * 1024**3
 # tensors compared between our output and peft's (ours == peft's bit for bit for source=original; dequantized
 # differs by the NF4 rounding, by design)
-SAMPLES = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
-           "model.layers.{last}.self_attn.k_proj.weight", "model.layers.{last}.mlp.gate_proj.weight",
-           "model.layers.{last}.post_attention_layernorm.weight", "model.norm.weight"]
+SAMPLES = [
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.layers.{last}.self_attn.k_proj.weight",
+    "model.layers.{last}.mlp.gate_proj.weight",
+    "model.layers.{last}.post_attention_layernorm.weight",
+    "model.norm.weight",
+]
 GiB = 1024**3
 # lets `python benchmarks/merge_bench.py` import slimtune from a plain checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -41,12 +46,17 @@ def _shapes(layers: int) -> list[tuple[str, tuple[int, ...]]]:
     out = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
     for i in range(layers):
         p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (HIDDEN,)), (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
-                (p + "self_attn.k_proj.weight", (kv, HIDDEN)), (p + "self_attn.v_proj.weight", (kv, HIDDEN)),
-                (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-                (p + "post_attention_layernorm.weight", (HIDDEN,)),
-                (p + "mlp.gate_proj.weight", (INTER, HIDDEN)), (p + "mlp.up_proj.weight", (INTER, HIDDEN)),
-                (p + "mlp.down_proj.weight", (HIDDEN, INTER))]
+        out += [
+            (p + "input_layernorm.weight", (HIDDEN,)),
+            (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
+            (p + "self_attn.k_proj.weight", (kv, HIDDEN)),
+            (p + "self_attn.v_proj.weight", (kv, HIDDEN)),
+            (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+            (p + "post_attention_layernorm.weight", (HIDDEN,)),
+            (p + "mlp.gate_proj.weight", (INTER, HIDDEN)),
+            (p + "mlp.up_proj.weight", (INTER, HIDDEN)),
+            (p + "mlp.down_proj.weight", (HIDDEN, INTER)),
+        ]
     return out + [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
 
 
@@ -82,10 +92,13 @@ class _Peak:
         self.gpu_reserved = torch.cuda.max_memory_reserved() if cuda else 0
 
     def as_dict(self) -> dict:
-        return {"seconds": round(self.seconds, 2), "peak_rss_gib": round(self.rss / GiB, 3),
-                "vm_hwm_gib": round(self.hwm / GiB, 3),
-                "peak_gpu_allocated_gib": round(self.gpu_alloc / GiB, 3),
-                "peak_gpu_reserved_gib": round(self.gpu_reserved / GiB, 3)}
+        return {
+            "seconds": round(self.seconds, 2),
+            "peak_rss_gib": round(self.rss / GiB, 3),
+            "vm_hwm_gib": round(self.hwm / GiB, 3),
+            "peak_gpu_allocated_gib": round(self.gpu_alloc / GiB, 3),
+            "peak_gpu_reserved_gib": round(self.gpu_reserved / GiB, 3),
+        }
 
 
 def _generate(work: Path, layers: int) -> dict:
@@ -124,16 +137,26 @@ def _generate(work: Path, layers: int) -> dict:
         write_shard(base / fname, group, 0)
         weight_map.update({t.name: fname for t in group})
         total += sum(t.nbytes for t in group)
-    (base / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers,
-                num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
-                max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
-                dtype="bfloat16").save_pretrained(base)
+    (base / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        vocab_size=VOCAB,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    ).save_pretrained(base)
     GenerationConfig(do_sample=False).save_pretrained(base)
     build_tokenizer().save_pretrained(base)
-    LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=PROJECTIONS, task_type="CAUSAL_LM",
-               base_model_name_or_path=str(base)).save_pretrained(adapter)
+    LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=PROJECTIONS, task_type="CAUSAL_LM", base_model_name_or_path=str(base)
+    ).save_pretrained(adapter)
     lora, gc = {}, torch.Generator().manual_seed(1)
     for name, shape in _shapes(layers):
         if any(f".{p}." in name for p in PROJECTIONS):
@@ -162,8 +185,9 @@ def _ours(work: Path, layers: int, source: str) -> dict:
     from slimtune.merge import merge_adapter
 
     out = work / f"ours-{source}"
-    kwargs = dict(source=source, gpu_budget_bytes=GPU_BUDGET, host_budget_bytes=HOST_BUDGET,
-                  temporary_location=work / "spill")
+    kwargs = dict(
+        source=source, gpu_budget_bytes=GPU_BUDGET, host_budget_bytes=HOST_BUDGET, temporary_location=work / "spill"
+    )
     with _Peak() as peak:
         report = merge_adapter(work / "base", work / "adapter", out, **kwargs)
     save_file(_samples(out, layers), work / f"samples-{source}.safetensors")
@@ -172,9 +196,15 @@ def _ours(work: Path, layers: int, source: str) -> dict:
     spill = work / "spill"
     leftovers = [p.name for p in work.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     leftovers += [p.name for p in spill.iterdir()] if spill.exists() else []
-    return {**peak.as_dict(), "report": report.to_dict(), "rerun_reused": rerun.reused,
-            "rerun_seconds": round(time.perf_counter() - t0, 2), "temporary_leftovers": leftovers,
-            "within_gpu_budget": peak.gpu_alloc <= GPU_BUDGET, "within_host_budget": peak.rss <= HOST_BUDGET}
+    return {
+        **peak.as_dict(),
+        "report": report.to_dict(),
+        "rerun_reused": rerun.reused,
+        "rerun_seconds": round(time.perf_counter() - t0, 2),
+        "temporary_leftovers": leftovers,
+        "within_gpu_budget": peak.gpu_alloc <= GPU_BUDGET,
+        "within_host_budget": peak.rss <= HOST_BUDGET,
+    }
 
 
 def _peft(work: Path, layers: int) -> dict:
@@ -201,9 +231,14 @@ def _peft(work: Path, layers: int) -> dict:
         if path.exists():
             ours = load_file(path)
             diffs[source] = {n: float((ours[n].float() - theirs[n].float()).abs().max()) for n in ours}
-    return {**peak.as_dict(), "load_seconds": round(t1 - t0, 2), "merge_seconds": round(t2 - t1, 2),
-            "save_seconds": round(t3 - t2, 2), "bytes_written": sum(p.stat().st_size for p in out.iterdir()),
-            "max_abs_diff_vs_ours": diffs}
+    return {
+        **peak.as_dict(),
+        "load_seconds": round(t1 - t0, 2),
+        "merge_seconds": round(t2 - t1, 2),
+        "save_seconds": round(t3 - t2, 2),
+        "bytes_written": sum(p.stat().st_size for p in out.iterdir()),
+        "max_abs_diff_vs_ours": diffs,
+    }
 
 
 def _phase(name: str, work: Path, layers: int) -> dict:
@@ -216,29 +251,38 @@ def _phase(name: str, work: Path, layers: int) -> dict:
 
 
 def _table(r: dict) -> str:
-    rows = ["| run | seconds | peak GPU allocated GiB | peak host RSS GiB (sampled / VmHWM) | GB written "
-            "| spilled |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| run | seconds | peak GPU allocated GiB | peak host RSS GiB (sampled / VmHWM) | GB written | spilled |",
+        "|---|---|---|---|---|---|",
+    ]
     for source in ("original", "dequantized"):
         if f"ours-{source}" in r:
             o = r[f"ours-{source}"]
-            rows.append(f"| slimtune merge_adapter, source={source}, budgets 2 GiB GPU / 8 GiB host | "
-                        f"{o['seconds']} | {o['peak_gpu_allocated_gib']} | "
-                        f"{o['peak_rss_gib']} / {o['vm_hwm_gib']} | "
-                        f"{o['report']['bytes_written'] / 1e9:.2f} | {o['report']['tensors_spilled']} |")
+            rows.append(
+                f"| slimtune merge_adapter, source={source}, budgets 2 GiB GPU / 8 GiB host | "
+                f"{o['seconds']} | {o['peak_gpu_allocated_gib']} | "
+                f"{o['peak_rss_gib']} / {o['vm_hwm_gib']} | "
+                f"{o['report']['bytes_written'] / 1e9:.2f} | {o['report']['tensors_spilled']} |"
+            )
     p = r["peft"]
-    rows.append(f"| peft load + merge_and_unload + save_pretrained ({p['load_seconds']} + "
-                f"{p['merge_seconds']} + {p['save_seconds']} s) | {p['seconds']} | "
-                f"{p['peak_gpu_allocated_gib']} | "
-                f"{p['peak_rss_gib']} / {p['vm_hwm_gib']} | {p['bytes_written'] / 1e9:.2f} | - |")
+    rows.append(
+        f"| peft load + merge_and_unload + save_pretrained ({p['load_seconds']} + "
+        f"{p['merge_seconds']} + {p['save_seconds']} s) | {p['seconds']} | "
+        f"{p['peak_gpu_allocated_gib']} | "
+        f"{p['peak_rss_gib']} / {p['vm_hwm_gib']} | {p['bytes_written'] / 1e9:.2f} | - |"
+    )
     return "\n".join(rows)
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--phase":
         name, work, layers = sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
-        fn = {"generate": lambda: _generate(work, layers), "peft": lambda: _peft(work, layers),
-              "ours-original": lambda: _ours(work, layers, "original"),
-              "ours-dequantized": lambda: _ours(work, layers, "dequantized")}[name]
+        fn = {
+            "generate": lambda: _generate(work, layers),
+            "peft": lambda: _peft(work, layers),
+            "ours-original": lambda: _ours(work, layers, "original"),
+            "ours-dequantized": lambda: _ours(work, layers, "dequantized"),
+        }[name]
         (work / f"result-{name}.json").write_text(json.dumps(fn(), indent=1))
         return
     out_dir = Path(os.environ.get("OUT", "bench_out"))
@@ -248,9 +292,12 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     start = time.perf_counter()
-    results: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "layers": layers,
-                     "disk_free_gb_at_start": round(shutil.disk_usage(work).free / 1e9, 1),
-                     "host_ram_gib": round(psutil.virtual_memory().total / GiB, 1)}
+    results: dict = {
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "layers": layers,
+        "disk_free_gb_at_start": round(shutil.disk_usage(work).free / 1e9, 1),
+        "host_ram_gib": round(psutil.virtual_memory().total / GiB, 1),
+    }
     try:
         results["generate"] = _phase("generate", work, layers)
         print("generated", results["generate"], flush=True)

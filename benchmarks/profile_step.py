@@ -42,8 +42,21 @@ _CATEGORIES = (
     ("attention", ("flash", "fmha", "attention", "Attention")),
     ("bitsandbytes", ("kDequantize", "kgemm_4bit", "dequantize")),
     ("matmul", ("gemm", "Gemm", "GEMM", "cutlass", "xmma", "nvjet", "cublas", "splitK")),
-    ("elementwise", ("at::native", "elementwise", "reduce", "Reduce", "softmax", "Cat", "foreach",
-                     "multi_tensor", "Adam", "cudnn::")),
+    (
+        "elementwise",
+        (
+            "at::native",
+            "elementwise",
+            "reduce",
+            "Reduce",
+            "softmax",
+            "Cat",
+            "foreach",
+            "multi_tensor",
+            "Adam",
+            "cudnn::",
+        ),
+    ),
     ("slimtune triton", ("_kernel",)),  # Triton kernels are named after their function, e.g. _nf4_kernel
 )
 
@@ -82,8 +95,7 @@ def _prepare_variant(config: str, model: torch.nn.Module):
     return _prepare(config, model)
 
 
-def profile_config(model: torch.nn.Module, config: str, batch: int, seq: int, warmup: int,
-                   steps: int) -> dict:
+def profile_config(model: torch.nn.Module, config: str, batch: int, seq: int, warmup: int, steps: int) -> dict:
     """Warm `config` up, then profile `steps` steps; return wall, busy and per-category seconds per step."""
     loss_fn, notes, undo = _prepare_variant(config, model)
     try:
@@ -123,20 +135,29 @@ def profile_config(model: torch.nn.Module, config: str, batch: int, seq: int, wa
             cats[_category(name)] += t
         top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
         opt.state.clear()
-        return {"config": config, "batch": batch, "seq": seq, "wall_s": round(wall, 4),
-                "busy_s": round(busy, 4), "idle_s": round(wall - busy, 4),
-                "tokens_per_s": round(batch * seq / wall, 1), "peak_allocated_gib": round(peak / 2**30, 2),
-                "categories_s": {k: round(v, 4) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-                "top_kernels": [{"name": n[:160], "s": round(t, 5), "calls": round(c, 1)} for n, (t, c) in top],
-                "notes": notes}
+        return {
+            "config": config,
+            "batch": batch,
+            "seq": seq,
+            "wall_s": round(wall, 4),
+            "busy_s": round(busy, 4),
+            "idle_s": round(wall - busy, 4),
+            "tokens_per_s": round(batch * seq / wall, 1),
+            "peak_allocated_gib": round(peak / 2**30, 2),
+            "categories_s": {k: round(v, 4) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "top_kernels": [{"name": n[:160], "s": round(t, 5), "calls": round(c, 1)} for n, (t, c) in top],
+            "notes": notes,
+        }
     finally:
         undo()
         free_memory("cuda")
 
 
 def _print(r: dict) -> None:
-    print(f"\n== {r['config']} b{r['batch']}: wall {r['wall_s']:.4f} s/step, busy {r['busy_s']:.4f}, "
-          f"idle {r['idle_s']:.4f}, {r['tokens_per_s']:.0f} tok/s, peak {r['peak_allocated_gib']} GiB")
+    print(
+        f"\n== {r['config']} b{r['batch']}: wall {r['wall_s']:.4f} s/step, busy {r['busy_s']:.4f}, "
+        f"idle {r['idle_s']:.4f}, {r['tokens_per_s']:.0f} tok/s, peak {r['peak_allocated_gib']} GiB"
+    )
     print("   " + ", ".join(f"{k} {v:.4f}" for k, v in r["categories_s"].items()))
     for k in r["top_kernels"][:18]:
         print(f"   {k['s']:.5f} s  x{k['calls']:<6} {k['name'][:110]}")
@@ -161,8 +182,10 @@ def main() -> int:
         _print(r)
         results.append(r)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out / f"profile-{args.model}-b{args.batch}.json",
-                      {"gpu": torch.cuda.get_device_name(), "model": args.model, "results": results})
+    write_json_atomic(
+        args.out / f"profile-{args.model}-b{args.batch}.json",
+        {"gpu": torch.cuda.get_device_name(), "model": args.model, "results": results},
+    )
     return 0
 
 

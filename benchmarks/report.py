@@ -31,10 +31,17 @@ def compute_ratios(rows: list[dict]) -> list[dict]:
         b = baselines.get((r["model"], r["batch"], r["seq"]))
         if r["config"] == BASELINE or b is None:
             continue
-        out.append({"model": r["model"], "config": r["config"], "batch": r["batch"], "seq": r["seq"],
-                    "tokens_per_s_ratio": _ratio(r, b, "tokens_per_s"),
-                    "peak_allocated_ratio": _ratio(r, b, "peak_allocated_gib"),
-                    "peak_reserved_ratio": _ratio(r, b, "peak_reserved_gib")})
+        out.append(
+            {
+                "model": r["model"],
+                "config": r["config"],
+                "batch": r["batch"],
+                "seq": r["seq"],
+                "tokens_per_s_ratio": _ratio(r, b, "tokens_per_s"),
+                "peak_allocated_ratio": _ratio(r, b, "peak_allocated_gib"),
+                "peak_reserved_ratio": _ratio(r, b, "peak_reserved_gib"),
+            }
+        )
     return out
 
 
@@ -55,8 +62,12 @@ def sort_rows(rows: list[dict]) -> list[dict]:
     models, configs = list(MODEL_SHAPES), list(CONFIGS)
 
     def key(r: dict) -> tuple:
-        return (models.index(r["model"]) if r["model"] in models else len(models), r["batch"], r["seq"],
-                configs.index(r["config"]) if r["config"] in configs else len(configs))
+        return (
+            models.index(r["model"]) if r["model"] in models else len(models),
+            r["batch"],
+            r["seq"],
+            configs.index(r["config"]) if r["config"] in configs else len(configs),
+        )
 
     return sorted(rows, key=key)
 
@@ -64,30 +75,38 @@ def sort_rows(rows: list[dict]) -> list[dict]:
 def render_markdown(result: dict) -> str:
     """The training table (one row per model x batch x config), the ratio table, and merge/GGUF rows."""
     names = {k: s.name for k, s in MODEL_SHAPES.items()}
-    lines = ["| model | batch | seq | config | tokens/s | step s min / median / max | peak alloc GiB | "
-             "peak reserved GiB | host RSS peak GiB | loss first → last | status |",
-             "|---|---:|---:|---|---:|---|---:|---:|---:|---|---|"]
+    lines = [
+        "| model | batch | seq | config | tokens/s | step s min / median / max | peak alloc GiB | "
+        "peak reserved GiB | host RSS peak GiB | loss first → last | status |",
+        "|---|---:|---:|---|---:|---|---:|---:|---:|---|---|",
+    ]
     for r in sort_rows(result["rows"]):
         ok = r["status"] == "ok"
         steps = " / ".join(_cell(r.get(k)) for k in _STEP_KEYS) if ok else "–"
         loss = f"{_cell(r.get('loss_first'))} → {_cell(r.get('loss_last'))}" if r.get("loss_first") else "–"
         status = "ok" if ok else f"{r['status']}: {_cell(r.get('error'))[:120]}"
-        lines.append(f"| {names.get(r['model'], r['model'])} | {r['batch']} | {r['seq']} | {r['config']} | "
-                     f"{_cell(r.get('tokens_per_s'))} | {steps} | {_cell(r.get('peak_allocated_gib'))} | "
-                     f"{_cell(r.get('peak_reserved_gib'))} | {_cell(r.get('host_rss_peak_gib'))} | {loss} | "
-                     f"{status} |")
+        lines.append(
+            f"| {names.get(r['model'], r['model'])} | {r['batch']} | {r['seq']} | {r['config']} | "
+            f"{_cell(r.get('tokens_per_s'))} | {steps} | {_cell(r.get('peak_allocated_gib'))} | "
+            f"{_cell(r.get('peak_reserved_gib'))} | {_cell(r.get('host_rss_peak_gib'))} | {loss} | "
+            f"{status} |"
+        )
     lines += _ratio_table(compute_ratios(result["rows"]), names)
     export = result.get("export") or []
     if export:
-        lines += ["", "| step | model | seconds | peak GPU alloc GiB | host RSS peak GiB | bytes written | "
-                  "status |",
-                  "|---|---|---:|---:|---:|---:|---|"]
+        lines += [
+            "",
+            "| step | model | seconds | peak GPU alloc GiB | host RSS peak GiB | bytes written | status |",
+            "|---|---|---:|---:|---:|---:|---|",
+        ]
         for e in export:
             status = e["status"] if e["status"] == "ok" else f"{e['status']}: {_cell(e.get('error'))[:120]}"
             written = f"{e['bytes_written']:,}" if e.get("bytes_written") else "–"
-            lines.append(f"| {e['step']} | {names.get(e.get('model'), e.get('model'))} | "
-                         f"{_cell(e.get('seconds'))} | {_cell(e.get('peak_gpu_allocated_gib'))} | "
-                         f"{_cell(e.get('host_rss_peak_gib'))} | {written} | {status} |")
+            lines.append(
+                f"| {e['step']} | {names.get(e.get('model'), e.get('model'))} | "
+                f"{_cell(e.get('seconds'))} | {_cell(e.get('peak_gpu_allocated_gib'))} | "
+                f"{_cell(e.get('host_rss_peak_gib'))} | {written} | {status} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -100,13 +119,19 @@ def _ratio_table(ratios: list[dict], names: dict[str, str]) -> list[str]:
     for q in ratios:
         cell = f"{_times(q['tokens_per_s_ratio'])} / {_times(q['peak_allocated_ratio'])}"
         cells.setdefault((q["model"], q["batch"], q["seq"]), {})[q["config"]] = cell
-    keys = [(r["model"], r["batch"], r["seq"]) for r in sort_rows(
-        [{"model": m, "batch": b, "seq": s, "config": BASELINE} for m, b, s in cells])]
-    lines = ["", f"Against `{BASELINE}` (HF + peft + bitsandbytes, standard checkpointing) on the same model "
-             "and batch: tokens/s ratio / peak-allocated ratio (above 1× is faster; below 1× is less memory; "
-             "– where either row failed):", "",
-             "| model | batch | seq | " + " | ".join(configs) + " |",
-             "|---|---:|---:|" + "---:|" * len(configs)]
+    keys = [
+        (r["model"], r["batch"], r["seq"])
+        for r in sort_rows([{"model": m, "batch": b, "seq": s, "config": BASELINE} for m, b, s in cells])
+    ]
+    lines = [
+        "",
+        f"Against `{BASELINE}` (HF + peft + bitsandbytes, standard checkpointing) on the same model "
+        "and batch: tokens/s ratio / peak-allocated ratio (above 1× is faster; below 1× is less memory; "
+        "– where either row failed):",
+        "",
+        "| model | batch | seq | " + " | ".join(configs) + " |",
+        "|---|---:|---:|" + "---:|" * len(configs),
+    ]
     for m, b, s in keys:
         row = cells[(m, b, s)]
         lines.append(f"| {names.get(m, m)} | {b} | {s} | {' | '.join(row.get(c, '–') for c in configs)} |")

@@ -44,9 +44,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `benchmarks`, `slimtune`
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     CONFIGS,
     ERROR_CHARS,
     LORA_RANK,
@@ -69,7 +69,7 @@ from benchmarks.common import (  # noqa: E402
     write_json_atomic,
     write_text_atomic,
 )
-from benchmarks.report import compute_ratios, render_markdown  # noqa: E402
+from benchmarks.report import compute_ratios, render_markdown
 
 _GROUPS = (("hf_gc", "hf_nogc"), ("ours",), ("liger",), ("unsloth",))
 # Packages whose absence makes a config "not installed" (checked with find_spec, without importing).
@@ -128,10 +128,15 @@ def _prepare(config: str, model: torch.nn.Module) -> tuple[Callable, dict[str, A
         family = _base(model).config.model_type
         apply = getattr(liger, f"apply_liger_kernel_to_{family}", None)
         if apply is None:
-            raise RuntimeError(f"liger-kernel {package_version('liger-kernel')} has no "
-                               f"apply_liger_kernel_to_{family}")
-        apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True,
-              model=_base(model))
+            raise RuntimeError(f"liger-kernel {package_version('liger-kernel')} has no apply_liger_kernel_to_{family}")
+        apply(
+            rope=True,
+            rms_norm=True,
+            swiglu=True,
+            cross_entropy=False,
+            fused_linear_cross_entropy=True,
+            model=_base(model),
+        )
         _hf_checkpointing(model, True)
         # liger rebinds functions in transformers' modeling modules: no undo; it runs in its own process.
         return _plain_loss, {"liger": package_version("liger-kernel")}, lambda: None
@@ -173,8 +178,16 @@ def _recorder(out: Path | None) -> tuple[list[dict[str, Any]], Callable[[dict[st
     return records, emit
 
 
-def train_worker(model_key: str, configs: list[str], batches: list[int], seq: int, warmup: int, steps: int,
-                 device: str, out: Path | None = None) -> list[dict[str, Any]]:
+def train_worker(
+    model_key: str,
+    configs: list[str],
+    batches: list[int],
+    seq: int,
+    warmup: int,
+    steps: int,
+    device: str,
+    out: Path | None = None,
+) -> list[dict[str, Any]]:
     """Build one random NF4 + LoRA model and measure each (config, batch) on it, in order."""
     records, emit = _recorder(out)
 
@@ -191,8 +204,12 @@ def train_worker(model_key: str, configs: list[str], batches: list[int], seq: in
     import peft  # noqa: F401
     import transformers  # noqa: F401
 
-    setup: dict[str, Any] = {"kind": "setup", "model": model_key, "configs": configs,
-                             "import_s": round(time.perf_counter() - t0, 2)}
+    setup: dict[str, Any] = {
+        "kind": "setup",
+        "model": model_key,
+        "configs": configs,
+        "import_s": round(time.perf_counter() - t0, 2),
+    }
     t0 = time.perf_counter()
     shape = MODEL_SHAPES[model_key]
     model = build_random_model(shape, device)
@@ -221,21 +238,45 @@ def train_worker(model_key: str, configs: list[str], batches: list[int], seq: in
                 emit(make_row(model_key, config, b, seq, "error", error=f"setup: {error_text(e)}"))
             continue
         for b in batches:
-            emit(measure_training(model, loss_fn, model_key=model_key, config=config, batch=b, seq=seq,
-                                  warmup=warmup, steps=steps, device=device, notes=notes))
+            emit(
+                measure_training(
+                    model,
+                    loss_fn,
+                    model_key=model_key,
+                    config=config,
+                    batch=b,
+                    seq=seq,
+                    warmup=warmup,
+                    steps=steps,
+                    device=device,
+                    notes=notes,
+                )
+            )
         undo()
     del model
     free_memory(device)
     return records
 
 
-def unsloth_worker(model_key: str, batches: list[int], seq: int, warmup: int, steps: int, device: str,
-                   scratch: Path, out: Path | None = None) -> list[dict[str, Any]]:
+def unsloth_worker(
+    model_key: str,
+    batches: list[int],
+    seq: int,
+    warmup: int,
+    steps: int,
+    device: str,
+    scratch: Path,
+    out: Path | None = None,
+) -> list[dict[str, Any]]:
     """Unsloth on the same random weights: it loads from a directory, so save them there first."""
     records, emit = _recorder(out)
 
-    for var, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
-                       ("UNSLOTH_DISABLE_STATISTICS", "1")):
+    for var, value in (
+        ("HF_HUB_OFFLINE", "1"),
+        ("TRANSFORMERS_OFFLINE", "1"),
+        ("HF_DATASETS_OFFLINE", "1"),
+        ("UNSLOTH_DISABLE_STATISTICS", "1"),
+    ):
         os.environ.setdefault(var, value)
     t0 = time.perf_counter()
     try:
@@ -245,8 +286,12 @@ def unsloth_worker(model_key: str, batches: list[int], seq: int, warmup: int, st
         for b in batches:
             emit(make_row(model_key, "unsloth", b, seq, status, error=f"import unsloth: {error_text(e)}"))
         return records
-    setup: dict[str, Any] = {"kind": "setup", "model": model_key, "configs": ["unsloth"],
-                             "import_s": round(time.perf_counter() - t0, 2)}
+    setup: dict[str, Any] = {
+        "kind": "setup",
+        "model": model_key,
+        "configs": ["unsloth"],
+        "import_s": round(time.perf_counter() - t0, 2),
+    }
 
     model_dir = scratch / f"unsloth-{model_key}"
     t0 = time.perf_counter()
@@ -261,12 +306,26 @@ def unsloth_worker(model_key: str, batches: list[int], seq: int, warmup: int, st
     t0 = time.perf_counter()
     try:
         model, _tok = FastLanguageModel.from_pretrained(
-            model_name=str(model_dir), max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=True,
-            fix_tokenizer=False, local_files_only=True, use_exact_model_name=True,
-            use_gradient_checkpointing="unsloth")
+            model_name=str(model_dir),
+            max_seq_length=seq,
+            dtype=torch.bfloat16,
+            load_in_4bit=True,
+            fix_tokenizer=False,
+            local_files_only=True,
+            use_exact_model_name=True,
+            use_gradient_checkpointing="unsloth",
+        )
         model = FastLanguageModel.get_peft_model(
-            model, r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0, bias="none", random_state=0,
-            max_seq_length=seq, target_modules=list(LORA_TARGETS), use_gradient_checkpointing="unsloth")
+            model,
+            r=LORA_RANK,
+            lora_alpha=LORA_RANK,
+            lora_dropout=0,
+            bias="none",
+            random_state=0,
+            max_seq_length=seq,
+            target_modules=list(LORA_TARGETS),
+            use_gradient_checkpointing="unsloth",
+        )
         FastLanguageModel.for_training(model)
     except Exception as e:
         traceback.print_exc()
@@ -279,8 +338,20 @@ def unsloth_worker(model_key: str, batches: list[int], seq: int, warmup: int, st
     shutil.rmtree(model_dir, ignore_errors=True)
     notes = {"unsloth": package_version("unsloth"), "unsloth_zoo": package_version("unsloth_zoo")}
     for b in batches:
-        emit(measure_training(model, _plain_loss, model_key=model_key, config="unsloth", batch=b, seq=seq,
-                              warmup=warmup, steps=steps, device=device, notes=notes))
+        emit(
+            measure_training(
+                model,
+                _plain_loss,
+                model_key=model_key,
+                config="unsloth",
+                batch=b,
+                seq=seq,
+                warmup=warmup,
+                steps=steps,
+                device=device,
+                notes=notes,
+            )
+        )
     return records
 
 
@@ -289,17 +360,35 @@ def _summary(r: dict[str, Any]) -> str:
     head = f"{_ROW_MARK} {r['model']:>6} {r['config']:<8} bs{r['batch']} seq{r['seq']}"
     if r["status"] != "ok":
         return f"{head}: {r['status']}: {r.get('error')}"
-    return (f"{head}: {r['tokens_per_s']:.0f} tok/s, step {r['step_s_min']:.3f}/{r['step_s_median']:.3f}/"
-            f"{r['step_s_max']:.3f} s, alloc {r['peak_allocated_gib']} GiB, reserved "
-            f"{r['peak_reserved_gib']} GiB, rss {r['host_rss_peak_gib']} GiB, "
-            f"loss {r['loss_first']}->{r['loss_last']}")
+    return (
+        f"{head}: {r['tokens_per_s']:.0f} tok/s, step {r['step_s_min']:.3f}/{r['step_s_median']:.3f}/"
+        f"{r['step_s_max']:.3f} s, alloc {r['peak_allocated_gib']} GiB, reserved "
+        f"{r['peak_reserved_gib']} GiB, rss {r['host_rss_peak_gib']} GiB, "
+        f"loss {r['loss_first']}->{r['loss_last']}"
+    )
 
 
 def _worker_cmd(args: argparse.Namespace, kind: str, rows_out: Path, **extra: str) -> list[str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--rows-out", str(rows_out),
-           "--device", args.device, "--seq", str(args.seq), "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--batch", ",".join(map(str, args.batch)),
-           "--scratch", str(args.scratch)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        kind,
+        "--rows-out",
+        str(rows_out),
+        "--device",
+        args.device,
+        "--seq",
+        str(args.seq),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--batch",
+        ",".join(map(str, args.batch)),
+        "--scratch",
+        str(args.scratch),
+    ]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", v]
     return cmd
@@ -331,18 +420,29 @@ def _spawn(cmd: list[str], rows_out: Path, log: Path, deadline: float) -> dict[s
     print("".join(line + "\n" for line in text.splitlines() if line.startswith(_ROW_MARK)), end="")
     if rc != 0:
         print(text[-1500:])
-    return {**info, "rc": rc, "ended": ended, "records": records, "wall_s": round(time.monotonic() - t0, 1),
-            "log_tail": text[-1500:] if rc != 0 else ""}
+    return {
+        **info,
+        "rc": rc,
+        "ended": ended,
+        "records": records,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "log_tail": text[-1500:] if rc != 0 else "",
+    }
 
 
-def _fill_missing(rows: list[dict], model_key: str, configs: list[str], batches: list[int], seq: int,
-                  ended: str, log_tail: str) -> list[dict]:
+def _fill_missing(
+    rows: list[dict], model_key: str, configs: list[str], batches: list[int], seq: int, ended: str, log_tail: str
+) -> list[dict]:
     """Rows a worker never wrote (crash, kill, budget) become explicit failures, not gaps."""
     have = {(r["config"], r["batch"]) for r in rows}
     status = "timeout" if "budget" in ended else "crashed"
     last = log_tail.strip().splitlines()[-1][:ERROR_CHARS] if log_tail.strip() else ""
-    return [make_row(model_key, c, b, seq, status, error=f"worker {ended}" + (f"; {last}" if last else ""))
-            for c in configs for b in batches if (c, b) not in have]
+    return [
+        make_row(model_key, c, b, seq, status, error=f"worker {ended}" + (f"; {last}" if last else ""))
+        for c in configs
+        for b in batches
+        if (c, b) not in have
+    ]
 
 
 def _write(result: dict[str, Any], out: Path) -> None:
@@ -372,12 +472,16 @@ def _plan(args: argparse.Namespace) -> list[tuple]:
     return plan
 
 
-def _run_training_group(args: argparse.Namespace, model_key: str, configs: list[str], work: Path,
-                        deadline: float, result: dict[str, Any]) -> None:
+def _run_training_group(
+    args: argparse.Namespace, model_key: str, configs: list[str], work: Path, deadline: float, result: dict[str, Any]
+) -> None:
     missing = [c for c in configs if c in _NEEDS and importlib.util.find_spec(_NEEDS[c]) is None]
     if missing == configs:  # nothing to run: say so without paying a worker's start-up
-        recs = [make_row(model_key, c, b, args.seq, "not installed",
-                         error=f"{_NEEDS[c]} is not importable") for c in configs for b in args.batch]
+        recs = [
+            make_row(model_key, c, b, args.seq, "not installed", error=f"{_NEEDS[c]} is not importable")
+            for c in configs
+            for b in args.batch
+        ]
         worker: dict[str, Any] = {"cmd": "none", "rc": 0, "ended": "exited", "records": recs, "wall_s": 0.0}
     elif args.in_process and "unsloth" not in configs:
         recs = train_worker(model_key, configs, args.batch, args.seq, args.warmup, args.steps, args.device)
@@ -387,27 +491,32 @@ def _run_training_group(args: argparse.Namespace, model_key: str, configs: list[
         rows_out, log = work / f"{tag}.jsonl", work / f"{tag}.log"
         kind = "unsloth" if configs == ["unsloth"] else "train"
         print(f"== {tag}", flush=True)
-        worker = _spawn(_worker_cmd(args, kind, rows_out, model=model_key, configs=",".join(configs)),
-                        rows_out, log, deadline)
+        worker = _spawn(
+            _worker_cmd(args, kind, rows_out, model=model_key, configs=",".join(configs)), rows_out, log, deadline
+        )
     records = worker.pop("records")
     rows = [r for r in records if r["kind"] == "row"]
     worker["setup"] = [r for r in records if r["kind"] == "setup"]
-    rows += _fill_missing(rows, model_key, configs, args.batch, args.seq, worker["ended"],
-                          worker.get("log_tail", ""))
+    rows += _fill_missing(rows, model_key, configs, args.batch, args.seq, worker["ended"], worker.get("log_tail", ""))
     result["rows"] += rows
     result["workers"].append({"model": model_key, "configs": configs, **worker})
 
 
-def _run_export_step(args: argparse.Namespace, step: str, work: Path, deadline: float,
-                     result: dict[str, Any]) -> None:
+def _run_export_step(args: argparse.Namespace, step: str, work: Path, deadline: float, result: dict[str, Any]) -> None:
     rows_out, log = work / f"export-{step}.jsonl", work / f"export-{step}.log"
     print(f"== export {step}", flush=True)
-    worker = _spawn(_worker_cmd(args, "export", rows_out, step=step, model=args.export_model), rows_out, log,
-                    deadline)
+    worker = _spawn(_worker_cmd(args, "export", rows_out, step=step, model=args.export_model), rows_out, log, deadline)
     recs = worker.pop("records")
     if not recs:
-        recs = [{"kind": "export", "step": step, "model": args.export_model, "error": worker["ended"],
-                 "status": "timeout" if "budget" in worker["ended"] else "crashed"}]
+        recs = [
+            {
+                "kind": "export",
+                "step": step,
+                "model": args.export_model,
+                "error": worker["ended"],
+                "status": "timeout" if "budget" in worker["ended"] else "crashed",
+            }
+        ]
     result["export"] += recs
     result["workers"].append({"model": args.export_model, "configs": [f"export:{step}"], **worker})
 
@@ -419,13 +528,28 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     result: dict[str, Any] = {
-        "schema": 1, "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": _command(argv), "env": environment(args.device),
-        "settings": {"models": args.models, "configs": args.configs, "batch": args.batch, "seq": args.seq,
-                     "warmup": args.warmup, "steps": args.steps, "lora_rank": LORA_RANK,
-                     "quant": "nf4 + double quant", "autocast": "bf16", "optimizer": "AdamW (fused on CUDA)",
-                     "tokens_per_s": "batch * seq / median timed step"},
-        "rows": [], "ratios": [], "export": [], "workers": []}
+        "schema": 1,
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": _command(argv),
+        "env": environment(args.device),
+        "settings": {
+            "models": args.models,
+            "configs": args.configs,
+            "batch": args.batch,
+            "seq": args.seq,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "lora_rank": LORA_RANK,
+            "quant": "nf4 + double quant",
+            "autocast": "bf16",
+            "optimizer": "AdamW (fused on CUDA)",
+            "tokens_per_s": "batch * seq / median timed step",
+        },
+        "rows": [],
+        "ratios": [],
+        "export": [],
+        "workers": [],
+    }
     work = Path(tempfile.mkdtemp(prefix="bench-work-", dir=args.scratch))
     try:
         for task in _plan(args):
@@ -446,27 +570,35 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], list]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=_csv(str), default=["1b", "8b", "qwen7b"],
-                   help=f"comma list of {', '.join(MODEL_SHAPES)}")
-    p.add_argument("--configs", type=_csv(str), default=list(CONFIGS),
-                   help=f"comma list of {', '.join(CONFIGS)}")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--models", type=_csv(str), default=["1b", "8b", "qwen7b"], help=f"comma list of {', '.join(MODEL_SHAPES)}"
+    )
+    p.add_argument("--configs", type=_csv(str), default=list(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--batch", type=_csv(int), default=[1, 4], help="micro-batch sizes, comma list")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile, autotune, allocator)")
     p.add_argument("--steps", type=int, default=5, help="timed steps; tokens/s uses their median")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--budget-s", type=float, default=560.0,
-                   help="wall-clock budget for the whole suite; workers still running at its end are killed "
-                        "and their missing rows recorded as timeout (the device tool allows 600 s a call)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=560.0,
+        help="wall-clock budget for the whole suite; workers still running at its end are killed "
+        "and their missing rows recorded as timeout (the device tool allows 600 s a call)",
+    )
     p.add_argument("--merge", action="store_true", help="also time slimtune.merge.merge_adapter")
     p.add_argument("--gguf", action="store_true", help="also time slimtune.export.convert_hf_to_gguf (f16)")
     p.add_argument("--export-model", default="1b", help="model shape for --merge/--gguf")
     p.add_argument("--scratch", default=tempfile.gettempdir(), help="where saved models go (deleted after)")
-    p.add_argument("--in-process", action="store_true",
-                   help="run the non-Unsloth groups in this process (CPU smoke tests; liger's patches leak)")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the non-Unsloth groups in this process (CPU smoke tests; liger's patches leak)",
+    )
     p.add_argument("--worker", choices=("train", "unsloth", "export"), help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--step", help=argparse.SUPPRESS)
@@ -474,8 +606,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     bad = [m for m in args.models if m not in MODEL_SHAPES] + [c for c in args.configs if c not in CONFIGS]
     if bad:
-        p.error(f"unknown model/config {bad}; models: {', '.join(MODEL_SHAPES)}; "
-                f"configs: {', '.join(CONFIGS)}")
+        p.error(f"unknown model/config {bad}; models: {', '.join(MODEL_SHAPES)}; configs: {', '.join(CONFIGS)}")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args
@@ -487,12 +618,10 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(args.scratch)
     rows_out = Path(args.rows_out) if args.rows_out else None
     if args.worker == "train":
-        train_worker(args.model, args.configs, args.batch, args.seq, args.warmup, args.steps, args.device,
-                     rows_out)
+        train_worker(args.model, args.configs, args.batch, args.seq, args.warmup, args.steps, args.device, rows_out)
         return 0
     if args.worker == "unsloth":
-        unsloth_worker(args.model, args.batch, args.seq, args.warmup, args.steps, args.device, scratch,
-                       rows_out)
+        unsloth_worker(args.model, args.batch, args.seq, args.warmup, args.steps, args.device, scratch, rows_out)
         return 0
     if args.worker == "export":
         from benchmarks.export_steps import export_step
@@ -501,8 +630,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result = orchestrate(args, argv)
     ok = sum(r["status"] == "ok" for r in result["rows"])
-    print(f"\n{ok}/{len(result['rows'])} rows ok in {result['wall_s']} s; "
-          f"wrote {Path(args.out) / 'bench.json'} and bench.md\n")
+    print(
+        f"\n{ok}/{len(result['rows'])} rows ok in {result['wall_s']} s; "
+        f"wrote {Path(args.out) / 'bench.json'} and bench.md\n"
+    )
     print(render_markdown(result))
     return 0
 

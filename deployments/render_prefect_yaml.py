@@ -51,8 +51,7 @@ DEPLOYMENTS: dict[str, dict[str, Any]] = {
 
 # A worker runs each flow run from a fresh clone of the branch: code and spec paths agree with the commit.
 PULL = [
-    {"prefect.deployments.steps.git_clone": {
-        "id": "clone", "repository": "{{ $SLIMTUNE_GIT_URL }}", "branch": "main"}},
+    {"prefect.deployments.steps.git_clone": {"id": "clone", "repository": "{{ $SLIMTUNE_GIT_URL }}", "branch": "main"}},
     {"prefect.deployments.steps.set_working_directory": {"directory": "{{ clone.directory }}"}},
 ]
 
@@ -98,17 +97,25 @@ def render() -> str:
     for filename, extra in DEPLOYMENTS.items():
         spec_file = REPO / "deployments" / filename
         params = deploy_parameters(spec_file)
-        deployments.append({
-            "name": params["spec"].get("name", spec_file.stem),
-            "description": extra["description"],
-            "entrypoint": ENTRYPOINT,
-            "tags": extra["tags"],
-            "parameters": params,
-            "schedules": extra.get("schedules", []),
-            "work_pool": {"name": WORK_POOL, "work_queue_name": "default", "job_variables": {}},
-        })
-    body = {"name": "slimtune", "prefect-version": "3.8.8", "build": None, "push": None, "pull": PULL,
-            "deployments": deployments}
+        deployments.append(
+            {
+                "name": params["spec"].get("name", spec_file.stem),
+                "description": extra["description"],
+                "entrypoint": ENTRYPOINT,
+                "tags": extra["tags"],
+                "parameters": params,
+                "schedules": extra.get("schedules", []),
+                "work_pool": {"name": WORK_POOL, "work_queue_name": "default", "job_variables": {}},
+            }
+        )
+    body = {
+        "name": "slimtune",
+        "prefect-version": "3.8.8",
+        "build": None,
+        "push": None,
+        "pull": PULL,
+        "deployments": deployments,
+    }
     return HEADER + yaml.safe_dump(body, sort_keys=False, width=110)
 
 

@@ -12,8 +12,7 @@ def resolve_device(name: str) -> torch.device:
     dev = torch.device("cuda:0" if name == "cuda" else name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"model.device is {name!r} but no CUDA GPU is visible; use model.device: cpu "
-                               "or auto")
+            raise RuntimeError(f"model.device is {name!r} but no CUDA GPU is visible; use model.device: cpu or auto")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise RuntimeError(f"model.device is {name!r} but only {torch.cuda.device_count()} GPU(s) exist")
     return dev

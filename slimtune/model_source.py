@@ -40,8 +40,9 @@ def read_config(model_dir: Path) -> dict:
     """config.json as a dict, with a clear error when it is missing."""
     cfg = model_dir / "config.json"
     if not cfg.is_file():
-        raise ModelSourceError(f"model.name_or_path: {model_dir} has no config.json; point it at a Hugging "
-                               "Face model folder")
+        raise ModelSourceError(
+            f"model.name_or_path: {model_dir} has no config.json; point it at a Hugging Face model folder"
+        )
     return json.loads(cfg.read_text(encoding="utf-8"))
 
 
@@ -53,10 +54,13 @@ def check_model_dir(model: ModelSpec, model_dir: Path) -> dict:
         archs = ", ".join(cfg.get("architectures") or []) or "unknown"
         raise ModelSourceError(
             f"model.name_or_path: architecture {model_type!r} ({archs}) is not supported; slimtune supports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if cfg.get("slimtune_merged"):
-        raise ModelSourceError(f"model.name_or_path: {model_dir} is a model slimtune already merged an "
-                               "adapter into; fine-tune its original base instead")
+        raise ModelSourceError(
+            f"model.name_or_path: {model_dir} is a model slimtune already merged an "
+            "adapter into; fine-tune its original base instead"
+        )
     for shard in sorted(model_dir.glob("*.safetensors")):
         _check_shard(shard)
     has_safetensors = any(model_dir.glob("*.safetensors"))
@@ -68,7 +72,8 @@ def check_model_dir(model: ModelSpec, model_dir: Path) -> dict:
             raise ModelSourceError(
                 f"model.allow_pickle: {model_dir} holds only pickle weights (.bin/.pt), which can run code "
                 "when loaded; convert them to safetensors, or set model.allow_pickle: true to load them "
-                "with weights_only=True")
+                "with weights_only=True"
+            )
     return cfg
 
 
@@ -95,5 +100,6 @@ def _check_shard(shard: Path) -> None:
                 if 8 + header_len + end != size:
                     problem = f"it holds {size} bytes but its header describes {8 + header_len + end}"
     if problem:
-        raise ModelSourceError(f"model.name_or_path: {shard} is truncated or damaged ({problem}); download "
-                               "or copy the model again")
+        raise ModelSourceError(
+            f"model.name_or_path: {shard} is truncated or damaged ({problem}); download or copy the model again"
+        )

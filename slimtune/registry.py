@@ -29,8 +29,10 @@ def get(handle: str) -> Any:
     """The live object behind `handle`; a clear error if it was already released."""
     with _lock:
         if handle not in _objects:
-            raise KeyError(f"no live object {handle!r}: it was released by cleanup or belongs to another "
-                           "process (live models never cross process boundaries; re-run load_4bit)")
+            raise KeyError(
+                f"no live object {handle!r}: it was released by cleanup or belongs to another "
+                "process (live models never cross process boundaries; re-run load_4bit)"
+            )
         return _objects[handle]
 
 

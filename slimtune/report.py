@@ -30,9 +30,12 @@ def _rows(title: str, record: dict) -> list[str]:
 def render_markdown(summary: dict) -> str:
     """A readable report: one table per stage, in pipeline order (nested records are left to the JSON)."""
     spec = summary.get("spec", {})
-    lines = [f"# slimtune run `{spec.get('name', '?')}`", "",
-             f"Model `{spec.get('model', {}).get('name_or_path', '?')}`, data `{spec.get('data', {}).get('path', '?')}`.",
-             ""]
+    lines = [
+        f"# slimtune run `{spec.get('name', '?')}`",
+        "",
+        f"Model `{spec.get('model', {}).get('name_or_path', '?')}`, data `{spec.get('data', {}).get('path', '?')}`.",
+        "",
+    ]
     for stage in ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push"):
         if isinstance(summary.get(stage), dict):
             lines += _rows(stage, summary[stage])

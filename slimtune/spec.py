@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -21,8 +21,19 @@ DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 # GGUF output types: written by our converter (numpy quantizers of the `gguf` package) or by llama.cpp's
 # own quantizer (k-quants and i-quants; needs the optional llama-cpp-python extra).
 GGUF_NATIVE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q5_0")
-GGUF_LLAMA_CPP = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
-                  "iq4_xs", "iq4_nl")
+GGUF_LLAMA_CPP = (
+    "q2_k",
+    "q3_k_s",
+    "q3_k_m",
+    "q3_k_l",
+    "q4_k_s",
+    "q4_k_m",
+    "q5_k_s",
+    "q5_k_m",
+    "q6_k",
+    "iq4_xs",
+    "iq4_nl",
+)
 MAX_CRASH_RESUBMITS = 10
 GGUF_ALIASES = {"not_quantized": "f16", "fast_quantized": "q8_0", "quantized": "q4_k_m"}
 
@@ -37,20 +48,28 @@ class ModelSpec(_Section):
     name_or_path: str = Field(
         f"{BUILTIN_PREFIX}llama",
         description="Hub id (org/name), a local model directory, or builtin:tiny-<family> "
-        f"({', '.join(FAMILIES)}) for the locally built test models.")
+        f"({', '.join(FAMILIES)}) for the locally built test models.",
+    )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
     trust_remote_code: bool = Field(
-        False, description="Run Python code shipped with the model. Off by default: it executes "
-        "arbitrary code from the model repository.")
+        False,
+        description="Run Python code shipped with the model. Off by default: it executes "
+        "arbitrary code from the model repository.",
+    )
     allow_pickle: bool = Field(
-        False, description="Allow .bin/.pt (pickle) weights when no safetensors exist; they are then "
-        "loaded with weights_only=True.")
+        False,
+        description="Allow .bin/.pt (pickle) weights when no safetensors exist; they are then "
+        "loaded with weights_only=True.",
+    )
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Dtype of the 4-bit layers' matmuls: auto = bf16 where the GPU supports it, "
-        "fp16 otherwise, fp32 on CPU.")
+        "auto",
+        description="Dtype of the 4-bit layers' matmuls: auto = bf16 where the GPU supports it, "
+        "fp16 otherwise, fp32 on CPU.",
+    )
     device: str = Field("auto", description="auto (cuda:0 if present, else cpu), cpu, cuda or cuda:N.")
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
-        "auto", description="Attention kernel; auto = flash_attention_2 when installed, else sdpa.")
+        "auto", description="Attention kernel; auto = flash_attention_2 when installed, else sdpa."
+    )
 
     @field_validator("device")
     @classmethod
@@ -63,15 +82,16 @@ class ModelSpec(_Section):
     @classmethod
     def _name(cls, v: str) -> str:
         if is_builtin(v):
-            if v[len(BUILTIN_PREFIX):] not in FAMILIES:
-                raise ValueError(f"unknown builtin model; use one of "
-                                 f"{', '.join(BUILTIN_PREFIX + f for f in FAMILIES)}")
+            if v[len(BUILTIN_PREFIX) :] not in FAMILIES:
+                raise ValueError(f"unknown builtin model; use one of {', '.join(BUILTIN_PREFIX + f for f in FAMILIES)}")
             return v
         if Path(v).expanduser().is_dir():
             return v
         if v.startswith((".", "/", "~")) or v.count("/") > 1:
-            raise ValueError("local model directory not found; give an existing directory or a Hub id "
-                             "such as meta-llama/Llama-3.1-8B")
+            raise ValueError(
+                "local model directory not found; give an existing directory or a Hub id "
+                "such as meta-llama/Llama-3.1-8B"
+            )
         return v
 
 
@@ -79,20 +99,25 @@ class LoraSpec(_Section):
     """The LoRA adapter and gradient checkpointing."""
 
     r: int = Field(16, gt=0, le=1024, description="LoRA rank (> 0).")
-    alpha: float = Field(16, gt=0, description="LoRA alpha; the update is scaled by alpha / r "
-                         "(alpha / sqrt(r) with rslora).")
+    alpha: float = Field(
+        16, gt=0, description="LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rslora)."
+    )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input, in [0, 1).")
-    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+    target_modules: Literal["all-linear"] | list[str] = Field(
         default_factory=lambda: list(DEFAULT_TARGETS),
-        description="Module names to adapt, or all-linear for every linear layer except the output head.")
+        description="Module names to adapt, or all-linear for every linear layer except the output head.",
+    )
     use_rslora: bool = Field(False, description="Rank-stabilised LoRA scaling (alpha / sqrt(r)).")
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
     train_embeddings: bool = Field(
-        False, description="Also train embed_tokens and lm_head (full copies; the frozen originals are "
-        "offloaded to the CPU).")
-    gradient_checkpointing: Union[bool, Literal["unsloth"]] = Field(
-        "unsloth", description="false = none, true = standard recomputation, unsloth = recomputation with "
-        "layer inputs offloaded to pinned host memory (least GPU memory).")
+        False,
+        description="Also train embed_tokens and lm_head (full copies; the frozen originals are offloaded to the CPU).",
+    )
+    gradient_checkpointing: bool | Literal["unsloth"] = Field(
+        "unsloth",
+        description="false = none, true = standard recomputation, unsloth = recomputation with "
+        "layer inputs offloaded to pinned host memory (least GPU memory).",
+    )
 
     @field_validator("target_modules")
     @classmethod
@@ -108,49 +133,57 @@ class DataSpec(_Section):
     path: str = Field(
         "deployments/data/tiny_chat.jsonl",
         description="A local .jsonl/.json/.parquet file (relative paths are resolved against the spec "
-        "file's folder, then the working directory) or a Hub dataset id (needs slimtune[datasets]).")
+        "file's folder, then the working directory) or a Hub dataset id (needs slimtune[datasets]).",
+    )
     split: str = Field("train", description="Split to read from a Hub dataset.")
     format: Literal["auto", "messages", "prompt_completion", "text"] = Field(
-        "auto", description="Record format; auto detects it from the first record's fields.")
+        "auto", description="Record format; auto detects it from the first record's fields."
+    )
     messages_field: str = Field("messages", description="Field holding chat messages (role/content).")
     prompt_field: str = Field("prompt", description="Field holding the prompt.")
     completion_field: str = Field("completion", description="Field holding the completion.")
     text_field: str = Field("text", description="Field holding plain text.")
     completion_only_loss: bool = Field(
-        True, description="Train only on assistant/completion tokens (prompt, system and user tokens get "
-        "label -100). Plain text always trains on every token.")
+        True,
+        description="Train only on assistant/completion tokens (prompt, system and user tokens get "
+        "label -100). Plain text always trains on every token.",
+    )
     max_seq_length: int = Field(512, ge=16, le=262144, description="Tokens per packed row.")
     packing: Literal["packed", "padding_free", "padded"] = Field(
-        "packed", description="packed = best-fit rows of max_seq_length with per-example positions; "
-        "padding_free = one example per row, no padding; padded = classic padded batches.")
-    overlong: Literal["truncate", "drop"] = Field("truncate", description="What to do with examples "
-                                                  "longer than max_seq_length.")
-    eval_fraction: float = Field(0.1, ge=0, lt=0.5, description="Share of examples held out for eval "
-                                 "loss, in [0, 0.5).")
+        "packed",
+        description="packed = best-fit rows of max_seq_length with per-example positions; "
+        "padding_free = one example per row, no padding; padded = classic padded batches.",
+    )
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="What to do with examples longer than max_seq_length."
+    )
+    eval_fraction: float = Field(
+        0.1, ge=0, lt=0.5, description="Share of examples held out for eval loss, in [0, 0.5)."
+    )
     on_bad_record: Literal["error", "skip"] = Field(
-        "error", description="error = stop at the first malformed record (file:line:field); skip = skip "
-        "and count them.")
+        "error", description="error = stop at the first malformed record (file:line:field); skip = skip and count them."
+    )
 
 
 class TrainSpec(_Section):
     """The training loop."""
 
     micro_batch_size: int = Field(4, gt=0, le=4096, description="Packed rows per forward pass (> 0).")
-    gradient_accumulation_steps: int = Field(1, gt=0, le=65536, description="Micro-batches per optimizer "
-                                             "step (> 0).")
+    gradient_accumulation_steps: int = Field(1, gt=0, le=65536, description="Micro-batches per optimizer step (> 0).")
     learning_rate: float = Field(2e-4, gt=0, le=1, description="Peak learning rate, in (0, 1].")
-    lr_scheduler: Literal["linear", "cosine", "constant"] = Field("cosine", description="Decay after "
-                                                                  "warmup.")
+    lr_scheduler: Literal["linear", "cosine", "constant"] = Field("cosine", description="Decay after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps; overrides epochs when set.")
     epochs: float = Field(1.0, gt=0, le=1000, description="Passes over the training data.")
     optimizer: Literal["adamw_torch", "adamw_torch_fused", "paged_adamw_8bit"] = Field(
-        "adamw_torch", description="adamw_torch_fused is faster on GPU; paged_adamw_8bit uses least "
-        "memory (bitsandbytes).")
+        "adamw_torch",
+        description="adamw_torch_fused is faster on GPU; paged_adamw_8bit uses least memory (bitsandbytes).",
+    )
     weight_decay: float = Field(0.0, ge=0, lt=1, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables.")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
-        "auto", description="Autocast dtype: auto = bf16 where supported, fp16 otherwise, fp32 on CPU.")
+        "auto", description="Autocast dtype: auto = bf16 where supported, fp16 otherwise, fp32 on CPU."
+    )
     seed: int = Field(0, ge=0, description="Seed for init, dropout and data order.")
     logging_steps: int = Field(1, gt=0, description="Log every N steps.")
     eval_steps: int | None = Field(None, gt=0, description="Eval loss every N steps (None: at the end).")
@@ -158,9 +191,9 @@ class TrainSpec(_Section):
     save_total_limit: int = Field(2, gt=0, description="Checkpoints to keep.")
     empty_cache_steps: int | None = Field(None, gt=0, description="Clear the device cache every N steps.")
     resume: bool = Field(True, description="Resume from the latest complete checkpoint of this run.")
-    kernels: Union[Literal["auto", "off"], list[str]] = Field(
-        "auto", description="Triton kernels: auto (what the GPU and family support), off, or a list "
-        "of kernel names.")
+    kernels: Literal["auto", "off"] | list[str] = Field(
+        "auto", description="Triton kernels: auto (what the GPU and family support), off, or a list of kernel names."
+    )
     num_gpus: int = Field(1, ge=1, le=64, description="Data-parallel GPUs on this host (torchrun).")
 
     @field_validator("kernels")
@@ -179,16 +212,25 @@ class MergeSpec(_Section):
 
     enabled: bool = Field(True, description="Write a merged 16-bit model (needed for GGUF).")
     source: Literal["auto", "dequantized", "original"] = Field(
-        "auto", description="original = add the delta to the base's 16-bit shards; dequantized = to the "
-        "NF4 weights training saw; auto = original when 16-bit shards exist.")
+        "auto",
+        description="original = add the delta to the base's 16-bit shards; dequantized = to the "
+        "NF4 weights training saw; auto = original when 16-bit shards exist.",
+    )
     maximum_memory_usage: float = Field(
-        0.9, gt=0, le=0.95, description="Fraction of free GPU (and available host) memory the merge may "
-        "use, in (0, 0.95]. Lower it if the merge runs out of memory.")
+        0.9,
+        gt=0,
+        le=0.95,
+        description="Fraction of free GPU (and available host) memory the merge may "
+        "use, in (0, 0.95]. Lower it if the merge runs out of memory.",
+    )
     temporary_location: str | None = Field(
-        None, description="Folder for tensors spilled to disk when host memory runs short (default: "
-        "inside the run directory).")
+        None,
+        description="Folder for tensors spilled to disk when host memory runs short (default: "
+        "inside the run directory).",
+    )
     output_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Dtype of the merged weights; auto = the base checkpoint's dtype.")
+        "auto", description="Dtype of the merged weights; auto = the base checkpoint's dtype."
+    )
     max_shard_size_gb: float = Field(2.0, gt=0, description="Largest safetensors shard, in GB.")
 
 
@@ -213,9 +255,14 @@ class PushSpec(_Section):
 class ExportSpec(_Section):
     """GGUF conversion, verification and publishing."""
 
-    gguf: list[str] = Field(default_factory=lambda: ["f16"],
-                            description="GGUF types to write: " + ", ".join(GGUF_NATIVE + GGUF_LLAMA_CPP)
-                            + ", or the aliases " + ", ".join(GGUF_ALIASES) + ". Empty: no GGUF.")
+    gguf: list[str] = Field(
+        default_factory=lambda: ["f16"],
+        description="GGUF types to write: "
+        + ", ".join(GGUF_NATIVE + GGUF_LLAMA_CPP)
+        + ", or the aliases "
+        + ", ".join(GGUF_ALIASES)
+        + ". Empty: no GGUF.",
+    )
     verify: bool = Field(True, description="Load every GGUF and compare it with the merged model.")
     split_max_size_gb: float | None = Field(None, gt=0, description="Split GGUF files larger than this.")
     push: PushSpec | None = Field(None, description="Push to the Hub; omit to keep files local.")
@@ -228,12 +275,16 @@ class ExportSpec(_Section):
             canon = GGUF_ALIASES.get(name.lower(), name.lower())
             (out if canon in GGUF_NATIVE + GGUF_LLAMA_CPP else bad).append(canon)
         if bad:
-            raise ValueError(f"unknown GGUF type(s) {bad}; use {', '.join(GGUF_NATIVE + GGUF_LLAMA_CPP)} "
-                             f"or {', '.join(GGUF_ALIASES)}")
+            raise ValueError(
+                f"unknown GGUF type(s) {bad}; use {', '.join(GGUF_NATIVE + GGUF_LLAMA_CPP)} "
+                f"or {', '.join(GGUF_ALIASES)}"
+            )
         missing = [m for m in out if m in GGUF_LLAMA_CPP]
         if missing and importlib.util.find_spec("llama_cpp") is None:
-            raise ValueError(f"{missing} need llama.cpp's quantizer; install it with "
-                             "pip install 'slimtune[llama-cpp]' or choose f16/bf16/q8_0/q4_0/q5_0")
+            raise ValueError(
+                f"{missing} need llama.cpp's quantizer; install it with "
+                "pip install 'slimtune[llama-cpp]' or choose f16/bf16/q8_0/q4_0/q5_0"
+            )
         return list(dict.fromkeys(out))
 
 
@@ -243,19 +294,29 @@ class GuardSpec(_Section):
     enabled: bool = Field(True, description="Check estimates, watch peaks and turn OOM into retries.")
     max_retries: int = Field(3, ge=0, le=10, description="Retries after out-of-memory, each downshifted.")
     gpu_memory_fraction: float | None = Field(
-        None, gt=0, le=1, description="Cap this run at this fraction of the GPU so that it fails inside "
-        "its budget instead of starving other processes.")
-    preflight: bool = Field(True, description="Fail before allocating when the estimate exceeds what is "
-                            "free.")
-    max_crash_resubmits: int = Field(2, ge=0, le=MAX_CRASH_RESUBMITS, description="Times a run killed by the host "
-                                     "(e.g. the OOM killer) is re-submitted, downshifted.")
+        None,
+        gt=0,
+        le=1,
+        description="Cap this run at this fraction of the GPU so that it fails inside "
+        "its budget instead of starving other processes.",
+    )
+    preflight: bool = Field(True, description="Fail before allocating when the estimate exceeds what is free.")
+    max_crash_resubmits: int = Field(
+        2,
+        ge=0,
+        le=MAX_CRASH_RESUBMITS,
+        description="Times a run killed by the host (e.g. the OOM killer) is re-submitted, downshifted.",
+    )
 
 
 class PipelineSpec(_Section):
     """One fine-tuning run: base model -> LoRA training -> merged model -> GGUF."""
 
-    name: str = Field("tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
-                      description="Run name: letters, digits, '.', '_' or '-'; names the run directory.")
+    name: str = Field(
+        "tiny",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="Run name: letters, digits, '.', '_' or '-'; names the run directory.",
+    )
     output_dir: str = Field("runs", description="Folder that holds the run directory.")
     model: ModelSpec = Field(default_factory=ModelSpec)
     lora: LoraSpec = Field(default_factory=LoraSpec)
@@ -267,13 +328,17 @@ class PipelineSpec(_Section):
     resubmits: int = Field(0, ge=0, description="Set by the crash hook: how often this run was re-submitted.")
 
     @model_validator(mode="after")
-    def _combinations(self) -> "PipelineSpec":
+    def _combinations(self) -> PipelineSpec:
         if self.export.gguf and not self.merge.enabled:
-            raise ValueError("export.gguf needs merge.enabled: true (GGUF is converted from the merged "
-                             "model); set export.gguf: [] to skip GGUF")
+            raise ValueError(
+                "export.gguf needs merge.enabled: true (GGUF is converted from the merged "
+                "model); set export.gguf: [] to skip GGUF"
+            )
         if self.train.precision == "fp16" and self.model.compute_dtype == "bfloat16":
-            raise ValueError("train.precision fp16 with model.compute_dtype bfloat16 mixes dtypes; use "
-                             "bf16 for both or fp16 for both")
+            raise ValueError(
+                "train.precision fp16 with model.compute_dtype bfloat16 mixes dtypes; use "
+                "bf16 for both or fp16 for both"
+            )
         return self
 
     def run_dir(self) -> Path:
@@ -364,11 +429,15 @@ def _check_paths(spec: PipelineSpec, base_dir: Path | None) -> list[str]:
     elif data_path.exists():
         spec.data.path = str(data_path.resolve())
     elif local_suffix or spec.data.path.startswith((".", "/", "~")):
-        problems.append(f"data.path: got {spec.data.path!r}; file not found (looked in "
-                        f"{base_dir or Path.cwd()} and {Path.cwd()}); give an existing .jsonl/.json/.parquet file")
+        problems.append(
+            f"data.path: got {spec.data.path!r}; file not found (looked in "
+            f"{base_dir or Path.cwd()} and {Path.cwd()}); give an existing .jsonl/.json/.parquet file"
+        )
     elif importlib.util.find_spec("datasets") is None:
-        problems.append(f"data.path: got {spec.data.path!r}; not a local file, and Hub datasets need the "
-                        "datasets extra: pip install 'slimtune[datasets]'")
+        problems.append(
+            f"data.path: got {spec.data.path!r}; not a local file, and Hub datasets need the "
+            "datasets extra: pip install 'slimtune[datasets]'"
+        )
     if Path(spec.data.path).is_dir():
         problems.append(f"data.path: got {spec.data.path!r}; is a directory; give a data file")
     if base_dir is not None and not Path(spec.output_dir).expanduser().is_absolute():

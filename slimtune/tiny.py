@@ -28,7 +28,8 @@ _VERSION = 1  # bump when the recipe changes, so cached builds are not reused
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
     "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endif %}"
@@ -37,16 +38,27 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-_COMMON = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
-               tie_word_embeddings=False, initializer_range=0.02)
+_COMMON = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+)
 _FAMILY_CONFIG = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None, "head_dim": 64}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 64, "tie_word_embeddings": True,
-                                                  "hidden_activation": "gelu_pytorch_tanh"}),
+    "gemma": (
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        {"head_dim": 64, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"},
+    ),
 }
 
 
@@ -77,12 +89,22 @@ def build_tokenizer(vocab_size: int = 1024):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None, chat_template=CHAT_TEMPLATE,
-                                   model_max_length=_COMMON["max_position_embeddings"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=_COMMON["max_position_embeddings"],
+    )
 
 
 def build_model(family: str, vocab_size: int, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -92,8 +114,13 @@ def build_model(family: str, vocab_size: int, seed: int = 0, **overrides) -> tor
     if family not in _FAMILY_CONFIG:
         raise ValueError(f"unknown tiny family {family!r}; choose one of {', '.join(FAMILIES)}")
     cfg_name, model_name, extra = _FAMILY_CONFIG[family]
-    cfg = getattr(transformers, cfg_name)(**{**_COMMON, **extra, **overrides}, vocab_size=vocab_size,
-                                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = getattr(transformers, cfg_name)(
+        **{**_COMMON, **extra, **overrides},
+        vocab_size=vocab_size,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(cfg).eval()
 
@@ -113,10 +140,11 @@ def save_tiny(out_dir: Path, family: str = "llama", seed: int = 0, **overrides) 
 
 def ensure_builtin(name: str) -> Path:
     """Return the directory of builtin model `name`, building it once (atomically) if missing."""
-    family = name[len(BUILTIN_PREFIX):]
+    family = name[len(BUILTIN_PREFIX) :]
     if family not in FAMILIES:
-        raise ValueError(f"unknown builtin model {name!r}; use one of "
-                         + ", ".join(BUILTIN_PREFIX + f for f in FAMILIES))
+        raise ValueError(
+            f"unknown builtin model {name!r}; use one of " + ", ".join(BUILTIN_PREFIX + f for f in FAMILIES)
+        )
     digest = hashlib.sha256(f"{_VERSION}:{family}:{DATA_FILE.read_bytes().hex()}".encode()).hexdigest()[:12]
     final = cache_root() / "tiny" / f"{family}-{digest}"
     if (final / "config.json").exists():

@@ -7,8 +7,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # Triton reads TRITON_INTERPRET once, when it is first imported, and bitsandbytes, peft and transformers
 # import it: it must be set before any of them loads, so that Triton kernels run on the CPU.

@@ -26,9 +26,7 @@ import yaml
 
 # The Hub stores files of 10 MiB or more in LFS, and any file matching .gitattributes' LFS patterns.
 LFS_THRESHOLD_BYTES = 10 * 1024 * 1024
-_GITATTRIBUTES = (
-    "*.gguf filter=lfs diff=lfs merge=lfs -text\n*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
-)
+_GITATTRIBUTES = "*.gguf filter=lfs diff=lfs merge=lfs -text\n*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
 _LFS_PATTERNS = tuple(line.split()[0] for line in _GITATTRIBUTES.splitlines())
 
 
@@ -221,9 +219,7 @@ class FakeHub:
         raise _HttpError(404, f"fake hub does not implement {method} {path}")
 
     def _create_repo(self, payload: dict) -> tuple[int, dict]:
-        repo_id = (
-            f"{payload['organization']}/{payload['name']}" if payload.get("organization") else payload["name"]
-        )
+        repo_id = f"{payload['organization']}/{payload['name']}" if payload.get("organization") else payload["name"]
         if "/" not in repo_id:
             raise _HttpError(400, "repo name must be namespace/name for this fake hub")
         url = f"{self.endpoint}/{repo_id}"
@@ -351,9 +347,7 @@ class FakeHub:
                     tree[value["path"]] = base64.b64decode(value["content"])
                 elif line["key"] == "lfsFile":
                     if value["oid"] not in self.verified:
-                        raise _HttpError(
-                            422, f"LFS pointer for {value['path']} points to an object never uploaded"
-                        )
+                        raise _HttpError(422, f"LFS pointer for {value['path']} points to an object never uploaded")
                     tree[value["path"]] = self.lfs_objects[value["oid"]]
                 elif line["key"] == "deletedFile":
                     tree.pop(value["path"], None)
@@ -389,7 +383,7 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
     class _Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as httpx expects from the Hub
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - silence stderr logging
+        def log_message(self, format: str, *args: object) -> None:
             return
 
         def _read_body(self) -> bytes:
@@ -420,9 +414,7 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.connection.shutdown(socket.SHUT_RDWR)
                 return
             if fault is not None:
-                message = (fault.body or "injected fault").replace(
-                    "{authorization}", headers.get("authorization", "")
-                )
+                message = (fault.body or "injected fault").replace("{authorization}", headers.get("authorization", ""))
                 self._send(fault.status, {"error": message}, record)
                 return
             try:

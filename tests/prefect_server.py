@@ -35,11 +35,18 @@ class Server:
 
     def prefect(self, *args: str, cwd: Path | None = None, timeout: float = 180) -> str:
         """Run the `prefect` CLI against this server; returns its output, fails with it on a non-zero exit."""
-        done = subprocess.run([sys.executable, "-m", "prefect", *args], env=self.env, cwd=cwd or self.home,
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, "-m", "prefect", *args],
+            env=self.env,
+            cwd=cwd or self.home,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if done.returncode != 0:
-            raise AssertionError(f"prefect {' '.join(args)} exited {done.returncode}:\n"
-                                 f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            raise AssertionError(
+                f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
         return done.stdout + done.stderr
 
     def log(self, name: str) -> str:
@@ -57,8 +64,9 @@ def free_port() -> int:
 
 def start(cmd: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
     """Start `cmd` in its own session, output to `log`."""
-    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -73,8 +81,13 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def start_server(home: Path, finalize: Callable[[Callable[[], None]], None], *, ui: bool = False,
-                 extra_env: dict[str, str] | None = None) -> Server:
+def start_server(
+    home: Path,
+    finalize: Callable[[Callable[[], None]], None],
+    *,
+    ui: bool = False,
+    extra_env: dict[str, str] | None = None,
+) -> Server:
     """Start `prefect server start` on a free port of 127.0.0.1 with its home in `home`; wait until healthy.
 
     Args:
@@ -97,8 +110,11 @@ def start_server(home: Path, finalize: Callable[[Callable[[], None]], None], *, 
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
         **(extra_env or {}),
     }
-    proc = start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                 env, home / "server.log")
+    proc = start(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env,
+        home / "server.log",
+    )
     finalize(lambda: stop(proc))
     server = Server(url, env, home, proc)
     deadline = time.monotonic() + _START_TIMEOUT_S
@@ -114,8 +130,14 @@ def start_server(home: Path, finalize: Callable[[Callable[[], None]], None], *, 
     raise AssertionError(f"prefect server did not become healthy in {_START_TIMEOUT_S} s:\n{server.log('server.log')}")
 
 
-def start_worker(server: Server, pool: str, finalize: Callable[[Callable[[], None]], None], *,
-                 cwd: Path | None = None, limit: int | None = None) -> subprocess.Popen:
+def start_worker(
+    server: Server,
+    pool: str,
+    finalize: Callable[[Callable[[], None]], None],
+    *,
+    cwd: Path | None = None,
+    limit: int | None = None,
+) -> subprocess.Popen:
     """Start a process worker on `pool`; its log is `worker.log` under the server's home."""
     cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"]
     if limit is not None:

@@ -17,20 +17,39 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import render_readme_table, runner  # noqa: E402
-from benchmarks.common import MODEL_SHAPES  # noqa: E402
-from benchmarks.report import compute_ratios, render_markdown  # noqa: E402
+from benchmarks import render_readme_table, runner
+from benchmarks.common import MODEL_SHAPES
+from benchmarks.report import compute_ratios, render_markdown
 
-MEASURED = ("tokens_per_s", "step_s_min", "step_s_median", "step_s_max", "loss_first", "loss_last",
-            "host_rss_peak_gib")
+MEASURED = ("tokens_per_s", "step_s_min", "step_s_median", "step_s_max", "loss_first", "loss_last", "host_rss_peak_gib")
 
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("bench")
-    rc = runner.main(["--device", "cpu", "--models", "tiny", "--configs", "hf_gc,hf_nogc,liger,unsloth",
-                      "--batch", "1,2", "--seq", "16", "--warmup", "1", "--steps", "1", "--out", str(out),
-                      "--scratch", str(out), "--in-process"])
+    rc = runner.main(
+        [
+            "--device",
+            "cpu",
+            "--models",
+            "tiny",
+            "--configs",
+            "hf_gc,hf_nogc,liger,unsloth",
+            "--batch",
+            "1,2",
+            "--seq",
+            "16",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--out",
+            str(out),
+            "--scratch",
+            str(out),
+            "--in-process",
+        ]
+    )
     assert rc == 0
     return json.loads((out / "bench.json").read_text()), out
 

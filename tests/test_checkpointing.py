@@ -22,8 +22,7 @@ _REL_TOL = 1e-6
 def _lora_model(family: str, dropout: float = 0.0, device: str = "cpu", **overrides) -> nn.Module:
     base = build_model(family, _VOCAB, **overrides).to(device)
     # init_lora_weights=False makes B random too, so every LoRA gradient (A included) is non-zero.
-    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=_TARGETS,
-                     init_lora_weights=False)
+    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=_TARGETS, init_lora_weights=False)
     model = get_peft_model(base, cfg)
     model.train()
     return model
@@ -42,8 +41,7 @@ def _grads(model: nn.Module, ids: torch.Tensor, seed: int = 1) -> dict[str, torc
     return grads
 
 
-def _grads_with(model: nn.Module, mode, ids: torch.Tensor, seed: int = 1,
-                **private) -> dict[str, torch.Tensor]:
+def _grads_with(model: nn.Module, mode, ids: torch.Tensor, seed: int = 1, **private) -> dict[str, torch.Tensor]:
     with _enable(model, mode, **private):
         return _grads(model, ids, seed)
 
@@ -85,10 +83,15 @@ def _quantize_nf4(model: nn.Module) -> None:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and name != "lm_head":
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False,
-                                      compute_dtype=torch.float32, quant_type="nf4", device="meta")
-                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
-                                             module=q)
+                q = bnb.nn.Linear4bit(
+                    child.in_features,
+                    child.out_features,
+                    bias=False,
+                    compute_dtype=torch.float32,
+                    quant_type="nf4",
+                    device="meta",
+                )
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4", module=q)
                 q.weight._quantize(child.weight.device)
                 q.quant_state = q.weight.quant_state
                 setattr(module, name, q)
@@ -234,8 +237,15 @@ def test_host_buffers_reused_and_pageable_fallback_logged_once(caplog: pytest.Lo
 # ---------------------------------------------------------------- GPU (run through the device tool)
 # Eager attention: fused attention backward kernels may accumulate with atomics (run-to-run noise),
 # which would blur an exactness check; eager is plain matmul + softmax.
-_MEDIUM = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=8,
-               num_key_value_heads=4, head_dim=128, attn_implementation="eager")
+_MEDIUM = dict(
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    attn_implementation="eager",
+)
 
 
 def _peak_and_grads(model: nn.Module, mode, ids: torch.Tensor):

@@ -12,13 +12,13 @@ from pathlib import Path
 import prefect.deployments
 import pytest
 from crash_flow import crash_once, halve_micro_batch
-from prefect_server import start_server, start_worker
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
 from prefect.settings import PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 from prefect.states import Crashed
 from prefect.workers.process import ProcessWorker
+from prefect_server import start_server, start_worker
 
 from slimtune.memory.crash import resubmit_on_crash
 
@@ -41,9 +41,9 @@ def test_killed_flow_run_is_resubmitted_downshifted(server, request):
                     base_job_template=ProcessWorker.get_default_base_job_template(),
                 )
             )
-        deployment_id = crash_once.from_source(
-            source=str(_TESTS), entrypoint="crash_flow.py:crash_once"
-        ).deploy(name="crash", work_pool_name=_POOL, print_next_steps=False)
+        deployment_id = crash_once.from_source(source=str(_TESTS), entrypoint="crash_flow.py:crash_once").deploy(
+            name="crash", work_pool_name=_POOL, print_next_steps=False
+        )
         worker = start_worker(server, _POOL, request.addfinalizer)
 
         spec = {"train": {"micro_batch_size": 8, "gradient_accumulation_steps": 2}}
@@ -126,7 +126,5 @@ def test_hook_stops_when_the_downshift_has_nothing_left(monkeypatch):
     submitted = []
     monkeypatch.setattr(prefect.deployments, "run_deployment", lambda **kw: submitted.append(kw))
     with temporary_settings({PREFECT_LOGGING_TO_API_ENABLED: False}):
-        resubmit_on_crash(lambda params: None)(
-            crash_once, _crashed_run([]), Crashed(message="status code: -9")
-        )
+        resubmit_on_crash(lambda params: None)(crash_once, _crashed_run([]), Crashed(message="status code: -9"))
     assert submitted == []

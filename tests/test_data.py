@@ -12,8 +12,13 @@ from slimtune.data import IGNORE_INDEX, DataError, load_examples
 from slimtune.spec import DataSpec
 from slimtune.tiny import DATA_FILE, ensure_builtin
 
-CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
-                     {"role": "assistant", "content": "Hello."}]}
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +45,16 @@ def test_chat_completion_only_mask_is_exact(tokenizer, tmp_path):
     ex = _load(tokenizer, _jsonl(tmp_path, [CHAT])).train[0]
     text = tokenizer.decode(ex.input_ids)
     # Hand-checked against the ChatML template: only the assistant reply and its <|im_end|> are targets.
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
-                    "<|im_start|>assistant\nHello.<|im_end|>\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
+        "<|im_start|>assistant\nHello.<|im_end|>\n"
+    )
     reply = tokenizer("Hello.", add_special_tokens=False)["input_ids"]
     reply += [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     start = len(ex.input_ids) - 1 - len(reply)  # the reply ends right before the final "\n"
-    assert ex.input_ids[start:start + len(reply)] == reply
+    assert ex.input_ids[start : start + len(reply)] == reply
     expected = [IGNORE_INDEX] * len(ex.input_ids)
-    expected[start:start + len(reply)] = reply
+    expected[start : start + len(reply)] = reply
     assert ex.labels == expected
 
 
@@ -62,8 +69,7 @@ def test_chat_template_without_generation_tags_gives_the_same_mask(tokenizer, tm
     path = _jsonl(tmp_path, [CHAT, {"messages": longer}])
     tagged = _load(tokenizer, path).train
     plain = AutoTokenizer.from_pretrained(ensure_builtin("builtin:tiny-llama"))
-    plain.chat_template = (plain.chat_template.replace("{% generation %}", "")
-                           .replace("{% endgeneration %}", ""))
+    plain.chat_template = plain.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     untagged = _load(plain, path).train
     assert [(e.input_ids, e.labels) for e in untagged] == [(e.input_ids, e.labels) for e in tagged]
 
@@ -99,8 +105,7 @@ def test_overlong_examples_are_truncated_or_dropped_and_counted(tokenizer, tmp_p
 
 
 def test_truncation_that_removes_every_target_drops_the_example(tokenizer, tmp_path):
-    long_user = {"messages": [{"role": "user", "content": "x " * 100},
-                              {"role": "assistant", "content": "ok"}]}
+    long_user = {"messages": [{"role": "user", "content": "x " * 100}, {"role": "assistant", "content": "ok"}]}
     data = _load(tokenizer, _jsonl(tmp_path, [long_user, CHAT]), max_seq_length=32)
     assert data.counts.dropped_no_targets == 1 and len(data.train) == 1
 
@@ -119,11 +124,14 @@ def test_json_list_file_reports_the_line_of_a_bad_record(tokenizer, tmp_path):
         _load(tokenizer, path, format="text")
 
 
-@pytest.mark.parametrize("content, line, field", [
-    ([CHAT, '{"messages": [}'], 2, "(record)"),                                       # bad JSON
-    ([CHAT, CHAT, {"prompt": "x"}], 3, "'messages'"),                                 # missing field
-    ([CHAT, {"messages": [{"role": "user", "content": 5}]}], 2, "'messages[0].content'"),  # wrong type
-])
+@pytest.mark.parametrize(
+    "content, line, field",
+    [
+        ([CHAT, '{"messages": [}'], 2, "(record)"),  # bad JSON
+        ([CHAT, CHAT, {"prompt": "x"}], 3, "'messages'"),  # missing field
+        ([CHAT, {"messages": [{"role": "user", "content": 5}]}], 2, "'messages[0].content'"),  # wrong type
+    ],
+)
 def test_malformed_record_names_file_line_and_field(tokenizer, tmp_path, content, line, field):
     path = _jsonl(tmp_path, content)
     with pytest.raises(DataError) as err:

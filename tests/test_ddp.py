@@ -42,9 +42,17 @@ def _single_process(spec: PipelineSpec, micro_batch_size: int) -> dict:
         loaded = load_4bit(spec)
         lora = attach_lora(spec, loaded.handle)
         examples = prepare_data(spec, loaded.model_dir)
-        return asdict(packed_sft(spec, lora.handle, lora.checkpointing_handle, examples,
-                                 micro_batch_size=micro_batch_size, gradient_accumulation_steps=1,
-                                 gradient_checkpointing=spec.lora.gradient_checkpointing))
+        return asdict(
+            packed_sft(
+                spec,
+                lora.handle,
+                lora.checkpointing_handle,
+                examples,
+                micro_batch_size=micro_batch_size,
+                gradient_accumulation_steps=1,
+                gradient_checkpointing=spec.lora.gradient_checkpointing,
+            )
+        )
     finally:
         registry.release_all()
 
@@ -52,8 +60,9 @@ def _single_process(spec: PipelineSpec, micro_batch_size: int) -> dict:
 def test_two_ranks_match_one_process_and_only_rank0_writes(tmp_path):
     single = _single_process(_spec(tmp_path, "single", 1), micro_batch_size=4)
     spec = _spec(tmp_path, "ddp", 2)
-    report = ddp.launch(spec, micro_batch_size=2, gradient_accumulation_steps=1,
-                        gradient_checkpointing=spec.lora.gradient_checkpointing)
+    report = ddp.launch(
+        spec, micro_batch_size=2, gradient_accumulation_steps=1, gradient_checkpointing=spec.lora.gradient_checkpointing
+    )
 
     assert report["world_size"] == 2 and report["backend"] == "gloo"
     assert [r["rank"] for r in report["ranks"]] == [0, 1] and all(r["tokens_seen"] > 0 for r in report["ranks"])
@@ -78,21 +87,27 @@ def test_two_ranks_match_one_process_and_only_rank0_writes(tmp_path):
 def test_worker_errors_reach_the_task(tmp_path):
     spec = _spec(tmp_path, "bad", 2)
     spec.data.path = str(tmp_path / "missing.jsonl")  # fails inside every rank, after launch
-    with pytest.raises(RuntimeError, match=r"DDP training failed .*rank \d: DataError: .*missing.jsonl: file not found"):
+    with pytest.raises(
+        RuntimeError, match=r"DDP training failed .*rank \d: DataError: .*missing.jsonl: file not found"
+    ):
         ddp.launch(spec, micro_batch_size=2, gradient_accumulation_steps=1, gradient_checkpointing=False)
 
 
 def test_out_of_memory_in_a_worker_becomes_retriable(tmp_path):
-    (tmp_path / "error-rank1.json").write_text(json.dumps(
-        {"rank": 1, "type": "OutOfMemoryError", "message": "CUDA out of memory", "oom": True}))
+    (tmp_path / "error-rank1.json").write_text(
+        json.dumps({"rank": 1, "type": "OutOfMemoryError", "message": "CUDA out of memory", "oom": True})
+    )
     with pytest.raises(torch.OutOfMemoryError, match="rank 1: OutOfMemoryError"):
         ddp._raise_worker_error(tmp_path, 1, [])
 
 
-@pytest.mark.parametrize("device,message", [
-    ("cuda:1", "set model.device: auto"),
-    ("auto", "GPU\\(s\\) are visible"),
-])
+@pytest.mark.parametrize(
+    "device,message",
+    [
+        ("cuda:1", "set model.device: auto"),
+        ("auto", "GPU\\(s\\) are visible"),
+    ],
+)
 def test_device_errors_name_the_fix(tmp_path, device, message):
     if device == "auto" and torch.cuda.device_count() >= 2:
         pytest.skip("this machine has the GPUs")

@@ -25,7 +25,9 @@ _RUN_TIMEOUT_S = 240  # server-side: clone + imports ~30 s, the 4-step tiny pipe
 
 
 def _renderer():
-    spec = importlib.util.spec_from_file_location("render_prefect_yaml", REPO / "deployments" / "render_prefect_yaml.py")
+    spec = importlib.util.spec_from_file_location(
+        "render_prefect_yaml", REPO / "deployments" / "render_prefect_yaml.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -33,7 +35,8 @@ def _renderer():
 
 def test_prefect_yaml_is_generated_from_the_specs():
     assert (REPO / "prefect.yaml").read_text() == _renderer().render(), (
-        "prefect.yaml is stale: run python deployments/render_prefect_yaml.py")
+        "prefect.yaml is stale: run python deployments/render_prefect_yaml.py"
+    )
 
 
 def test_deployment_parameters_validate_from_the_clone_root(monkeypatch):
@@ -57,8 +60,13 @@ def _clone_source(dest: Path) -> Path:
 
     The worker's pull step clones it, so the test runs what would be committed, from a clone.
     """
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
-                           capture_output=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True, capture_output=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, files):
         src = REPO / name
         if src.is_file():
@@ -73,10 +81,20 @@ def _clone_source(dest: Path) -> Path:
 
 def test_worker_runs_the_deployed_tiny_pipeline(tmp_path, request):
     source = _clone_source(tmp_path / "source")
-    server = start_server(tmp_path / "home", request.addfinalizer,
-                          extra_env={"SLIMTUNE_GIT_URL": source.as_uri(), "TRITON_INTERPRET": "1"})
-    server.prefect("work-pool", "create", _POOL, "--type", "process", "--base-job-template",
-                   str(REPO / "deployments" / "process" / "gpu-hosts.json"))
+    server = start_server(
+        tmp_path / "home",
+        request.addfinalizer,
+        extra_env={"SLIMTUNE_GIT_URL": source.as_uri(), "TRITON_INTERPRET": "1"},
+    )
+    server.prefect(
+        "work-pool",
+        "create",
+        _POOL,
+        "--type",
+        "process",
+        "--base-job-template",
+        str(REPO / "deployments" / "process" / "gpu-hosts.json"),
+    )
     server.prefect("work-pool", "set-concurrency-limit", _POOL, "1")
     server.prefect("global-concurrency-limit", "create", "gpu", "--limit", "1")  # the flow's GPU slot
     out = server.prefect("--no-prompt", "deploy", "--all", cwd=REPO)
@@ -110,7 +128,8 @@ def test_worker_runs_the_deployed_tiny_pipeline(tmp_path, request):
                 break
             time.sleep(2)
         assert run is not None and run.state.is_completed(), (
-            f"{run and run.state}\n--- worker ---\n{server.log('worker.log')}")
+            f"{run and run.state}\n--- worker ---\n{server.log('worker.log')}"
+        )
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
         artifacts = {a.key for a in client.read_artifacts() if a.flow_run_id == run.id}
 
@@ -121,4 +140,3 @@ def test_worker_runs_the_deployed_tiny_pipeline(tmp_path, request):
     assert {"memory-report", "run-report", "tiny-smoke-training"} <= artifacts, artifacts
     # The flow ran in the clone under the working_dir: its run directory is there, not in this checkout.
     assert list(workdir.glob("*/runs/tiny-smoke/report.json")), f"no run directory in a clone under {workdir}"
-

@@ -42,8 +42,10 @@ def test_flow_completes_with_six_task_runs_in_order(finished_run):
     spec, state = finished_run
     assert state.is_completed(), state
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])),
-                                     sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+        )
     names = [r.name.split(" ")[0] for r in runs]
     assert names == STAGES
     assert all(r.state.is_completed() for r in runs)
@@ -105,13 +107,18 @@ def test_cleanup_frees_the_live_model_inside_a_running_flow(prefect_harness, tmp
 
 
 def test_cli_validate_and_bad_spec_exit_codes(tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "slimtune.cli", "validate", str(ROOT / "deployments" / "tiny.yaml")],
-                        capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, "-m", "slimtune.cli", "validate", str(ROOT / "deployments" / "tiny.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text("lora:\n  r: 0\n")
-    res = subprocess.run([sys.executable, "-m", "slimtune.cli", "run", str(bad)], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "slimtune.cli", "run", str(bad)], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 2
     assert "lora.r: got 0" in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("slimtune: error:")

@@ -43,8 +43,12 @@ def _expected_gguf_tensors(model_dir: Path, family: str) -> dict[str, np.ndarray
         if family in ("llama", "mistral") and ("q_proj" in key or "k_proj" in key):
             # rows of head h: HF [x_0..x_31, y_0..y_31] -> llama.cpp [x_0, y_0, x_1, y_1, ...]
             heads = w.shape[0] // head_dim
-            order = [h * head_dim + half * head_dim // 2 + i
-                     for h in range(heads) for i in range(head_dim // 2) for half in (0, 1)]
+            order = [
+                h * head_dim + half * head_dim // 2 + i
+                for h in range(heads)
+                for i in range(head_dim // 2)
+                for half in (0, 1)
+            ]
             w = w[order]
         if family == "gemma" and key.endswith("norm.weight"):
             w = w + 1.0
@@ -115,13 +119,16 @@ def test_sharded_checkpoint_converts(tiny_dirs, tmp_path):
     assert all(np.array_equal(got[k].reshape(v.shape), v) for k, v in expected.items())
 
 
-@pytest.mark.parametrize("out_type,qtype,tol", [
-    ("f16", Q.F16, 1e-3),    # 11 bits of mantissa: relative error <= 2^-11 (tolerances are relative to amax)
-    ("bf16", Q.BF16, 8e-3),  # 8 bits of mantissa: relative error <= 2^-8
-    ("q8_0", Q.Q8_0, 8e-3),  # per-32 block scale amax/127: error <= amax/254
-    ("q5_0", Q.Q5_0, 7e-2),  # 16 levels per sign: error <= amax/32
-    ("q4_0", Q.Q4_0, 1.3e-1),  # 8 levels per sign: error <= amax/16
-])
+@pytest.mark.parametrize(
+    "out_type,qtype,tol",
+    [
+        ("f16", Q.F16, 1e-3),  # 11 bits of mantissa: relative error <= 2^-11 (tolerances are relative to amax)
+        ("bf16", Q.BF16, 8e-3),  # 8 bits of mantissa: relative error <= 2^-8
+        ("q8_0", Q.Q8_0, 8e-3),  # per-32 block scale amax/127: error <= amax/254
+        ("q5_0", Q.Q5_0, 7e-2),  # 16 levels per sign: error <= amax/32
+        ("q4_0", Q.Q4_0, 1.3e-1),  # 8 levels per sign: error <= amax/16
+    ],
+)
 def test_quantized_types_dequantize_close(tiny_dirs, tmp_path, out_type, qtype, tol):
     [path] = convert_hf_to_gguf(tiny_dirs["llama"], tmp_path / f"llama-{out_type}.gguf", out_type)
     expected = _expected_gguf_tensors(tiny_dirs["llama"], "llama")
@@ -189,8 +196,14 @@ def test_llama3_rope_factors_match_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_parameters=rope)
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     base = 1.0 / 500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
@@ -244,9 +257,13 @@ def test_pre_tokenizer_mapping_and_refusals(tiny_dirs):
     for path, value in refused.items():
         with pytest.raises(UnsupportedTokenizerError):
             pre_tokenizer_name(variant(path, value))
-    split = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": _LLAMA3_REGEX}, "behavior": "Isolated", "invert": False},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    split = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": _LLAMA3_REGEX}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        ],
+    }
     assert pre_tokenizer_name(variant("model.ignore_merges", True) | {"pre_tokenizer": split}) == "llama-bpe"
     with pytest.raises(UnsupportedTokenizerError, match="matches none"):
         pre_tokenizer_name(tj | {"pre_tokenizer": split})  # llama.cpp's llama-bpe ignores merges; this not

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from slimtune.export import GGUFVerifyError, convert_hf_to_gguf, quantize_gguf, verify_gguf
-from slimtune.export import gguf_quantize
+from slimtune.export import GGUFVerifyError, convert_hf_to_gguf, gguf_quantize, quantize_gguf, verify_gguf
 from slimtune.export.gguf_tokenizer import _LLAMA3_REGEX, _QWEN2_REGEX
 from slimtune.export.gguf_verify import compare_logits, llama_cpp_logits, llama_cpp_tokenize, load_llama
 from slimtune.tiny import BUILTIN_PREFIX, FAMILIES, build_model, ensure_builtin, save_tiny
@@ -61,8 +60,7 @@ def ggufs(tiny, tmp_path_factory):
 
     def get(family: str, out_type: str) -> Path:
         if (family, out_type) not in cache:
-            [cache[family, out_type]] = convert_hf_to_gguf(tiny[family], root / f"{family}-{out_type}.gguf",
-                                                           out_type)
+            [cache[family, out_type]] = convert_hf_to_gguf(tiny[family], root / f"{family}-{out_type}.gguf", out_type)
         return cache[family, out_type]
 
     return get
@@ -94,8 +92,14 @@ def _quantized_file(ggufs, tmp_path: Path, family: str, method: str) -> Path:
 
 
 # The k-quant each method must really use somewhere (hidden 256 = one super-block per row).
-_KQUANT_TYPE = {"q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K, "q6_k": Q.Q6_K, "q3_k_m": Q.Q3_K, "q2_k": Q.Q2_K,
-                "iq4_xs": Q.IQ4_XS}
+_KQUANT_TYPE = {
+    "q4_k_m": Q.Q4_K,
+    "q5_k_m": Q.Q5_K,
+    "q6_k": Q.Q6_K,
+    "q3_k_m": Q.Q3_K,
+    "q2_k": Q.Q2_K,
+    "iq4_xs": Q.IQ4_XS,
+}
 
 
 def _argmax_agreement(llm, reference, tokenizer) -> float:
@@ -109,10 +113,15 @@ def _argmax_agreement(llm, reference, tokenizer) -> float:
     return agree / n
 
 
-@pytest.mark.parametrize("family,method", [
-    *[("llama", m) for m in ("q8_0", "q4_0", "q5_0", "q4_k_m", "q5_k_m", "q6_k")],
-    ("mistral", "q4_0"), ("qwen2", "q5_k_m"), ("qwen2", "q8_0"),
-])
+@pytest.mark.parametrize(
+    "family,method",
+    [
+        *[("llama", m) for m in ("q8_0", "q4_0", "q5_0", "q4_k_m", "q5_k_m", "q6_k")],
+        ("mistral", "q4_0"),
+        ("qwen2", "q5_k_m"),
+        ("qwen2", "q8_0"),
+    ],
+)
 def test_quantized_agrees_with_transformers_on_same_file(llama_cpp, tiny, ggufs, tmp_path, family, method):
     """transformers' GGUF loader dequantizes the same bytes, so both should pick the same next token
     almost everywhere; the rest is llama.cpp quantizing activations to 8 bits for its dot products.
@@ -161,8 +170,9 @@ def _hf_with_gguf_weights(model_dir: Path, path: Path, family: str):
     return model
 
 
-@pytest.mark.parametrize("family,method", [("gemma", "q8_0"), ("gemma", "q4_0"), ("gemma", "q4_k_m"),
-                                           ("gemma", "q6_k"), ("qwen3", "q5_k_m")])
+@pytest.mark.parametrize(
+    "family,method", [("gemma", "q8_0"), ("gemma", "q4_0"), ("gemma", "q4_k_m"), ("gemma", "q6_k"), ("qwen3", "q5_k_m")]
+)
 def test_quantized_agrees_with_hf_on_dequantized_weights(llama_cpp, tiny, ggufs, tmp_path, family, method):
     """transformers 5.23 cannot load gemma GGUFs (not in its GGUF architectures) nor qwen3 ones with
     head_dim 64 (it ignores attention.key_length), so the reference is HF fp32 with the GGUF's
@@ -171,8 +181,9 @@ def test_quantized_agrees_with_hf_on_dequantized_weights(llama_cpp, tiny, ggufs,
 
     path = _quantized_file(ggufs, tmp_path, family, method)
     llm = load_llama(path)
-    agreement = _argmax_agreement(llm, _hf_with_gguf_weights(tiny[family], path, family),
-                                  AutoTokenizer.from_pretrained(tiny[family]))
+    agreement = _argmax_agreement(
+        llm, _hf_with_gguf_weights(tiny[family], path, family), AutoTokenizer.from_pretrained(tiny[family])
+    )
     llm.close()
     assert agreement >= 0.95, (family, method, agreement)
 
@@ -205,10 +216,10 @@ def test_llama_cpp_token_ids_equal_hf(llama_cpp, tiny, ggufs):
     llm.close()
 
 
-@pytest.mark.parametrize("regex,ignore_merges,expected_pre", [(_LLAMA3_REGEX, True, "llama-bpe"),
-                                                               (_QWEN2_REGEX, False, "qwen2")])
-def test_split_regex_tokenizers_map_to_identical_llama_cpp_pre(llama_cpp, tmp_path, regex, ignore_merges,
-                                                               expected_pre):
+@pytest.mark.parametrize(
+    "regex,ignore_merges,expected_pre", [(_LLAMA3_REGEX, True, "llama-bpe"), (_QWEN2_REGEX, False, "qwen2")]
+)
+def test_split_regex_tokenizers_map_to_identical_llama_cpp_pre(llama_cpp, tmp_path, regex, ignore_merges, expected_pre):
     """Llama-3 / Qwen2 style tokenizers trained here, so the ids are checked without downloading theirs."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -216,13 +227,22 @@ def test_split_regex_tokenizers_map_to_identical_llama_cpp_pre(llama_cpp, tmp_pa
     from slimtune.tiny import SPECIAL_TOKENS, _corpus
 
     tok = Tokenizer(models.BPE(ignore_merges=ignore_merges))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(
-        vocab_size=700, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        _corpus(),
+        trainers.BpeTrainer(
+            vocab_size=700,
+            special_tokens=SPECIAL_TOKENS,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     build_model("llama", len(hf), num_hidden_layers=1).save_pretrained(tmp_path / "m")
     hf.save_pretrained(tmp_path / "m")
@@ -264,12 +284,21 @@ def test_split_gguf_loads_in_llama_cpp(llama_cpp, tiny, tmp_path):
         verify_gguf(paths[0], tiny["qwen2"], PROMPTS[:1])
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512},
+    ],
+)
 def test_rope_scaling_matches_hf_in_llama_cpp(llama_cpp, tmp_path, rope):
     family = "qwen2" if rope["rope_type"] == "yarn" else "llama"  # yarn is how Qwen2.5 extends context
     model_dir = save_tiny(tmp_path / "m", family, rope_parameters=rope)

@@ -14,8 +14,16 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
-_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-           num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-5)
+_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
 
 
 def _model_dir(root: Path) -> Path:
@@ -52,26 +60,40 @@ def test_flow_recovers_from_oom_and_cleanup_returns_memory(prefect_harness, tmp_
 
     torch.cuda.init()
     baseline = torch.cuda.memory_allocated()
-    spec = parse_spec({
-        "name": "gpu-oom", "output_dir": str(tmp_path / "runs"),
-        "model": {"name_or_path": str(_model_dir(tmp_path)), "device": "cuda"},
-        "lora": {"gradient_checkpointing": False},
-        "data": {"path": str(_data(tmp_path)), "format": "text", "max_seq_length": 2048, "eval_fraction": 0.0},
-        # No checkpointing: activations grow ~1.5 GiB per sequence, so micro-batch 8 (~25 GiB) exceeds a
-        # 20 GiB budget while micro-batch 4 fits. Preflight is off so that the real OOM happens.
-        "train": {"micro_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 2, "save_steps": 100},
-        "guard": {"gpu_memory_fraction": round(20 * 2**30 / torch.cuda.get_device_properties(0).total_memory, 3),
-                  "preflight": False},
-        "export": {"gguf": []},
-    })
+    spec = parse_spec(
+        {
+            "name": "gpu-oom",
+            "output_dir": str(tmp_path / "runs"),
+            "model": {"name_or_path": str(_model_dir(tmp_path)), "device": "cuda"},
+            "lora": {"gradient_checkpointing": False},
+            "data": {"path": str(_data(tmp_path)), "format": "text", "max_seq_length": 2048, "eval_fraction": 0.0},
+            # No checkpointing: activations grow ~1.5 GiB per sequence, so micro-batch 8 (~25 GiB) exceeds a
+            # 20 GiB budget while micro-batch 4 fits. Preflight is off so that the real OOM happens.
+            "train": {"micro_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 2, "save_steps": 100},
+            "guard": {
+                "gpu_memory_fraction": round(20 * 2**30 / torch.cuda.get_device_properties(0).total_memory, 3),
+                "preflight": False,
+            },
+            "export": {"gguf": []},
+        }
+    )
     summary = finetune(spec)
     memory = json.loads((spec.run_dir() / "memory" / "packed_sft.json").read_text())
     trained = summary["packed_sft"]
     cleaned = summary["cleanup"]
     out = Path(os.environ.get("OUT", tmp_path))
-    (out / "gpu_flow_oom.json").write_text(json.dumps({"memory": memory, "train": {
-        k: trained[k] for k in ("micro_batch_size", "gradient_accumulation_steps", "steps")}, "cleanup": cleaned,
-        "baseline_before_load": baseline}, indent=2, default=str))
+    (out / "gpu_flow_oom.json").write_text(
+        json.dumps(
+            {
+                "memory": memory,
+                "train": {k: trained[k] for k in ("micro_batch_size", "gradient_accumulation_steps", "steps")},
+                "cleanup": cleaned,
+                "baseline_before_load": baseline,
+            },
+            indent=2,
+            default=str,
+        )
+    )
     assert memory["attempts"] >= 2 and memory["downshifts"], memory
     assert trained["micro_batch_size"] * trained["gradient_accumulation_steps"] == 8
     assert trained["micro_batch_size"] < 8

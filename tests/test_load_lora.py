@@ -82,8 +82,15 @@ def test_attach_lora_applies_the_spec_kernels(tmp_path):
 
 def test_rslora_all_linear_and_bias_options(tmp_path):
     model_dir = save_tiny(tmp_path / "m", "llama")
-    spec = _spec(model_dir, target_modules="all-linear", use_rslora=True, r=8, alpha=16, bias="lora_only",
-                 gradient_checkpointing=False)
+    spec = _spec(
+        model_dir,
+        target_modules="all-linear",
+        use_rslora=True,
+        r=8,
+        alpha=16,
+        bias="lora_only",
+        gradient_checkpointing=False,
+    )
     lora = attach_lora(spec, load_4bit(spec).handle)
     config = registry.get(lora.handle).peft_config["default"]
     assert config.use_rslora and config.r == 8
@@ -95,8 +102,9 @@ def test_train_embeddings_keeps_trainable_copies_and_offloads_originals(tmp_path
     spec = _spec(model_dir, train_embeddings=True, gradient_checkpointing=False)
     lora = attach_lora(spec, load_4bit(spec).handle)
     model = registry.get(lora.handle)
-    wrapped = [m for n, m in model.named_modules() if n.endswith(("embed_tokens", "lm_head"))
-               and hasattr(m, "original_module")]
+    wrapped = [
+        m for n, m in model.named_modules() if n.endswith(("embed_tokens", "lm_head")) and hasattr(m, "original_module")
+    ]
     assert len(wrapped) == 2
     for m in wrapped:
         assert all(p.device.type == "cpu" and not p.requires_grad for p in m.original_module.parameters())

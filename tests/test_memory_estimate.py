@@ -58,9 +58,7 @@ def test_merged_size_matches_safetensors_payload_for_every_family(tiny_dirs):
         with shard.open("rb") as f:
             header = struct.unpack("<Q", f.read(8))[0]
         payload = shard.stat().st_size - 8 - header
-        est = estimate_merge(
-            _config(path), max_shard_bytes=5 * _GIB, output_dtype_bytes=4
-        )  # saved as float32
+        est = estimate_merge(_config(path), max_shard_bytes=5 * _GIB, output_dtype_bytes=4)  # saved as float32
         assert est.breakdown["disk: merged model"] == payload, family
 
 
@@ -168,9 +166,7 @@ def test_activation_term_matches_saved_tensors_of_a_tiny_llama():
     ):
         decoder.layers[0](hidden, position_embeddings=rope, attention_mask=None)
     measured = sum(saved.values())
-    est = estimate_train(
-        cfg, micro_batch=batch, seq_len=seq, lora_r=8, target_modules=targets, checkpointing=False
-    )
+    est = estimate_train(cfg, micro_batch=batch, seq_len=seq, lora_r=8, target_modules=targets, checkpointing=False)
     predicted = est.breakdown["gpu: activations (no checkpointing)"] / cfg["num_hidden_layers"]
     # Within 3%: the count leaves out each norm's float32 rsqrt, SDPA's logsumexp and autocast's
     # per-layer copies of the LoRA weights (1% here, far less at 8B).

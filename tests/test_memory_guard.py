@@ -58,9 +58,7 @@ def test_classify_memory_failures():
         real_cpu_oom = e
     assert real_cpu_oom is not None and classify(real_cpu_oom)
     assert classify(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert classify(
-        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
-    )
+    assert classify(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
     assert classify(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE"))
     assert classify(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
     assert classify(MemoryError())
@@ -238,8 +236,7 @@ def test_clean_memory_drops_the_nf4_dequantization_scratch():
 
     from slimtune.kernels import nf4
 
-    packed, state = bnbf.quantize_4bit(torch.randn(64, 128), blocksize=64, compress_statistics=True,
-                                       quant_type="nf4")
+    packed, state = bnbf.quantize_4bit(torch.randn(64, 128), blocksize=64, compress_statistics=True, quant_type="nf4")
     nf4.dequantize_nf4_scratch(packed, state)
     assert nf4._SCRATCH
     clean_memory()

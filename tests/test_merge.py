@@ -11,8 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slimtune.merge import AdapterMismatchError, AlreadyMergedError, DiskSpaceError, merge_adapter
-from slimtune.merge import safetensors_io
+from slimtune.merge import AdapterMismatchError, AlreadyMergedError, DiskSpaceError, merge_adapter, safetensors_io
 from slimtune.merge.nf4 import QuantSpec, quantized_tensor_names, roundtrip
 from slimtune.tiny import build_model, build_tokenizer
 
@@ -24,8 +23,12 @@ SMALL_SHARDS = 3_000_000  # the tiny fp32 models are ~11 MB: four shards, so sha
 def _nf4_config():
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=torch.float32)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
 
 
 def _save_adapter(base: Path, out: Path, seed: int, **lora) -> Path:
@@ -67,7 +70,8 @@ def nf4_models(models):
     def get(family: str):
         if family not in cache:
             cache[family] = AutoModelForCausalLM.from_pretrained(
-                models[family][0], quantization_config=_nf4_config(), dtype=torch.float32).eval()
+                models[family][0], quantization_config=_nf4_config(), dtype=torch.float32
+            ).eval()
         return cache[family]
 
     return get
@@ -96,8 +100,9 @@ def test_original_is_exact_w_plus_scaled_ba(models, tmp_path, family):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base, adapter = models[family]
-    report = merge_adapter(base, adapter, tmp_path / "out", source="auto", output_dtype=torch.float32,
-                           max_shard_bytes=SMALL_SHARDS)
+    report = merge_adapter(
+        base, adapter, tmp_path / "out", source="auto", output_dtype=torch.float32, max_shard_bytes=SMALL_SHARDS
+    )
     assert report.source_used == "original" and not report.reused
     assert report.tensors_merged == 7 * 4 and report.shards > 1
     before, after = load_file(base / "model.safetensors"), _tensors(tmp_path / "out")
@@ -187,8 +192,7 @@ def test_auto_on_a_4bit_checkpoint_merges_its_stored_nf4(models, nf4_models, tmp
 
     base, adapter = models["llama"]
     nf4_models("llama").save_pretrained(tmp_path / "bnb4")  # packed uint8 weights + absmax/quant_map/...
-    auto = merge_adapter(tmp_path / "bnb4", adapter, tmp_path / "auto", source="auto",
-                         output_dtype=torch.float32)
+    auto = merge_adapter(tmp_path / "bnb4", adapter, tmp_path / "auto", source="auto", output_dtype=torch.float32)
     assert auto.source_used == "dequantized" and auto.tensors_merged == 28
     from16 = tmp_path / "from16"
     merge_adapter(base, adapter, from16, source="dequantized", output_dtype=torch.float32)
@@ -208,8 +212,15 @@ def test_host_budget_spills_and_output_is_byte_identical(models, tmp_path):
     free = merge_adapter(base, adapter, tmp_path / "free", source="original", max_shard_bytes=SMALL_SHARDS)
     spill_root = tmp_path / "spill"
     model_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
-    tight = merge_adapter(base, adapter, tmp_path / "tight", source="original", max_shard_bytes=SMALL_SHARDS,
-                          host_budget_bytes=model_bytes // 20, temporary_location=spill_root)
+    tight = merge_adapter(
+        base,
+        adapter,
+        tmp_path / "tight",
+        source="original",
+        max_shard_bytes=SMALL_SHARDS,
+        host_budget_bytes=model_bytes // 20,
+        temporary_location=spill_root,
+    )
     assert free.tensors_spilled == 0 and tight.tensors_spilled > 0 and tight.bytes_spilled > 0
     assert tight.peak_host_held_bytes <= model_bytes // 20
     a, b = _files(tmp_path / "free"), _files(tmp_path / "tight")
@@ -266,8 +277,15 @@ def test_disk_full_mid_write_leaves_nothing(models, tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors_io, "open", fake_open, raising=False)
     message = r"disk full while writing .*model-00001-of-00004\.safetensors.*GiB"
     with pytest.raises(DiskSpaceError, match=message):
-        merge_adapter(base, adapter, tmp_path / "out", source="original", max_shard_bytes=SMALL_SHARDS,
-                      host_budget_bytes=100_000, temporary_location=tmp_path / "spill")
+        merge_adapter(
+            base,
+            adapter,
+            tmp_path / "out",
+            source="original",
+            max_shard_bytes=SMALL_SHARDS,
+            host_budget_bytes=100_000,
+            temporary_location=tmp_path / "spill",
+        )
     assert not (tmp_path / "out").exists()
     assert list((tmp_path / "spill").iterdir()) == [] and _leftovers(tmp_path) == []
 
@@ -315,17 +333,16 @@ def test_shape_mismatch_is_refused_naming_tensor_and_shapes(models, tmp_path):
     save_file(tensors, bad / "adapter_model.safetensors")
     with pytest.raises(AdapterMismatchError) as err:
         merge_adapter(base, bad, tmp_path / "out", source="original")
-    assert "model.layers.1.mlp.up_proj.weight: base shape (512, 256) but the LoRA delta is (384, 256)" \
-        in str(err.value)
-    assert "LoRA targets model.layers.9.mlp.up_proj.weight but the base checkpoint has no such tensor" \
-        in str(err.value)
+    assert "model.layers.1.mlp.up_proj.weight: base shape (512, 256) but the LoRA delta is (384, 256)" in str(err.value)
+    assert "LoRA targets model.layers.9.mlp.up_proj.weight but the base checkpoint has no such tensor" in str(err.value)
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
 
 
 def test_rslora_alpha_pattern_and_modules_to_save(models, tmp_path):
     base = models["llama"][0]
-    adapter = _save_adapter(base, tmp_path / "adapter", seed=3, use_rslora=True,
-                            alpha_pattern={"down_proj": 4}, modules_to_save=["lm_head"])
+    adapter = _save_adapter(
+        base, tmp_path / "adapter", seed=3, use_rslora=True, alpha_pattern={"down_proj": 4}, modules_to_save=["lm_head"]
+    )
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     assert cfg["use_rslora"] and cfg["alpha_pattern"] == {"down_proj": 4}
     merge_adapter(base, adapter, tmp_path / "out", source="original")
@@ -353,8 +370,9 @@ def test_gpu_merge_matches_cpu_merge(models, tmp_path):
         diff = (a[name] - b[name]).abs()
         assert (diff > 1e-6).float().mean() < 0.02, name  # measured: 0.1% overall, 0.53% in one k_proj
         assert diff.max() < 2e-3, name
-    small = merge_adapter(base, adapter, tmp_path / "small", source="original", device="cuda",
-                          gpu_budget_bytes=1_500_000)
+    small = merge_adapter(
+        base, adapter, tmp_path / "small", source="original", device="cuda", gpu_budget_bytes=1_500_000
+    )
     # fp32 working set is 16 bytes/element: attention (<= 1.05 MB) fits, mlp (2.1 MB) goes to the CPU
     assert small.devices == {"cuda": 16, "cpu": 12}
     assert 0 < small.peak_gpu_allocated_bytes <= 1_500_000

@@ -8,8 +8,17 @@ import pytest
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from slimtune.data import (IGNORE_INDEX, Example, RowCollator, best_fit_decreasing, load_examples,
-                           one_per_row, pack, packing_efficiency, padded_efficiency)
+from slimtune.data import (
+    IGNORE_INDEX,
+    Example,
+    RowCollator,
+    best_fit_decreasing,
+    load_examples,
+    one_per_row,
+    pack,
+    packing_efficiency,
+    padded_efficiency,
+)
 from slimtune.spec import DataSpec
 from slimtune.tiny import DATA_FILE, FAMILIES, build_model, ensure_builtin
 from slimtune.train import ISOLATING_MODEL_TYPES, choose_batching

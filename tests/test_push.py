@@ -409,9 +409,7 @@ def test_modelfile_template_matches_the_chat_template():
         {"role": "assistant", "content": "Teal."},
         {"role": "user", "content": "Another one?"},
     ]
-    expected = _tokenizer_with(CHAT_TEMPLATE).apply_chat_template(
-        chat, tokenize=False, add_generation_prompt=True
-    )
+    expected = _tokenizer_with(CHAT_TEMPLATE).apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert _render_go_template(template, chat) == expected
 
 
@@ -429,9 +427,7 @@ def test_modelfile_keeps_a_templates_default_system_prompt():
     # Ollama puts SYSTEM first in .Messages when the chat has no system turn: same text as the template.
     chat = [{"role": "user", "content": "Hi"}]
     template = re.search(r'TEMPLATE """(.*?)"""', text, re.S).group(1)
-    expected = _tokenizer_with(qwen_like).apply_chat_template(
-        chat, tokenize=False, add_generation_prompt=True
-    )
+    expected = _tokenizer_with(qwen_like).apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert _render_go_template(template, [{"role": "system", "content": "You are terse."}, *chat]) == expected
 
 

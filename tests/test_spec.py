@@ -16,34 +16,37 @@ def _problems(raw: dict) -> list[str]:
     return e.value.problems
 
 
-@pytest.mark.parametrize("raw, field, hint", [
-    ({"lora": {"r": 0}}, "lora.r", "greater than 0"),
-    ({"lora": {"r": "sixteen"}}, "lora.r", "valid integer"),
-    ({"lora": {"dropout": 1.0}}, "lora.dropout", "less than 1"),
-    ({"lora": {"target_modules": []}}, "lora.target_modules", "non-empty list"),
-    ({"lora": {"gradient_checkpointing": "sometimes"}}, "lora.gradient_checkpointing", "unsloth"),
-    ({"merge": {"maximum_memory_usage": 0}}, "merge.maximum_memory_usage", "greater than 0"),
-    ({"merge": {"maximum_memory_usage": 0.96}}, "merge.maximum_memory_usage", "less than or equal to 0.95"),
-    ({"merge": {"source": "magic"}}, "merge.source", "'dequantized'"),
-    ({"train": {"micro_batch_size": -1}}, "train.micro_batch_size", "greater than 0"),
-    ({"train": {"learning_rate": 0}}, "train.learning_rate", "greater than 0"),
-    ({"train": {"optimizer": "sgd"}}, "train.optimizer", "adamw_torch"),
-    ({"train": {"warmup": 10}}, "train.warmup", "unknown key"),
-    ({"train": {"kernels": ["rms_norm", "flash"]}}, "train.kernels", "unknown kernel(s) ['flash']"),
-    ({"trainer": {}}, "trainer", "unknown key"),
-    ({"data": {"path": "missing.jsonl"}}, "data.path", "file not found"),
-    ({"data": {"max_seq_length": 8}}, "data.max_seq_length", "greater than or equal to 16"),
-    ({"data": {"eval_fraction": 0.5}}, "data.eval_fraction", "less than 0.5"),
-    ({"model": {"device": "tpu"}}, "model.device", "cuda:N"),
-    ({"model": {"name_or_path": "./no/such/dir"}}, "model.name_or_path", "not found"),
-    ({"model": {"name_or_path": "builtin:tiny-gpt2"}}, "model.name_or_path", "builtin:tiny-llama"),
-    ({"export": {"gguf": ["q9_z"]}}, "export.gguf", "unknown GGUF type"),
-    ({"export": {"push": {"repo_id": "no-slash"}}}, "export.push.repo_id", "org/name"),
-    ({"export": {"push": {}}}, "export.push.repo_id", "required"),
-    ({"name": "has spaces"}, "name", "pattern"),
-    ({"merge": {"enabled": False}}, "(top level)", "merge.enabled"),
-    ({"guard": {"max_retries": 99}}, "guard.max_retries", "less than or equal to 10"),
-])
+@pytest.mark.parametrize(
+    "raw, field, hint",
+    [
+        ({"lora": {"r": 0}}, "lora.r", "greater than 0"),
+        ({"lora": {"r": "sixteen"}}, "lora.r", "valid integer"),
+        ({"lora": {"dropout": 1.0}}, "lora.dropout", "less than 1"),
+        ({"lora": {"target_modules": []}}, "lora.target_modules", "non-empty list"),
+        ({"lora": {"gradient_checkpointing": "sometimes"}}, "lora.gradient_checkpointing", "unsloth"),
+        ({"merge": {"maximum_memory_usage": 0}}, "merge.maximum_memory_usage", "greater than 0"),
+        ({"merge": {"maximum_memory_usage": 0.96}}, "merge.maximum_memory_usage", "less than or equal to 0.95"),
+        ({"merge": {"source": "magic"}}, "merge.source", "'dequantized'"),
+        ({"train": {"micro_batch_size": -1}}, "train.micro_batch_size", "greater than 0"),
+        ({"train": {"learning_rate": 0}}, "train.learning_rate", "greater than 0"),
+        ({"train": {"optimizer": "sgd"}}, "train.optimizer", "adamw_torch"),
+        ({"train": {"warmup": 10}}, "train.warmup", "unknown key"),
+        ({"train": {"kernels": ["rms_norm", "flash"]}}, "train.kernels", "unknown kernel(s) ['flash']"),
+        ({"trainer": {}}, "trainer", "unknown key"),
+        ({"data": {"path": "missing.jsonl"}}, "data.path", "file not found"),
+        ({"data": {"max_seq_length": 8}}, "data.max_seq_length", "greater than or equal to 16"),
+        ({"data": {"eval_fraction": 0.5}}, "data.eval_fraction", "less than 0.5"),
+        ({"model": {"device": "tpu"}}, "model.device", "cuda:N"),
+        ({"model": {"name_or_path": "./no/such/dir"}}, "model.name_or_path", "not found"),
+        ({"model": {"name_or_path": "builtin:tiny-gpt2"}}, "model.name_or_path", "builtin:tiny-llama"),
+        ({"export": {"gguf": ["q9_z"]}}, "export.gguf", "unknown GGUF type"),
+        ({"export": {"push": {"repo_id": "no-slash"}}}, "export.push.repo_id", "org/name"),
+        ({"export": {"push": {}}}, "export.push.repo_id", "required"),
+        ({"name": "has spaces"}, "name", "pattern"),
+        ({"merge": {"enabled": False}}, "(top level)", "merge.enabled"),
+        ({"guard": {"max_retries": 99}}, "guard.max_retries", "less than or equal to 10"),
+    ],
+)
 def test_bad_spec_names_field_value_and_fix(raw, field, hint):
     raw.setdefault("data", {}).setdefault("path", DATA)
     problems = _problems(raw)
@@ -53,8 +56,14 @@ def test_bad_spec_names_field_value_and_fix(raw, field, hint):
 
 
 def test_every_problem_is_reported_at_once():
-    problems = _problems({"lora": {"r": 0, "alpha": -1}, "merge": {"maximum_memory_usage": 2},
-                          "bogus": True, "data": {"path": "nope.jsonl"}})
+    problems = _problems(
+        {
+            "lora": {"r": 0, "alpha": -1},
+            "merge": {"maximum_memory_usage": 2},
+            "bogus": True,
+            "data": {"path": "nope.jsonl"},
+        }
+    )
     fields = sorted(p.split(":")[0] for p in problems)
     assert fields == ["bogus", "data.path", "lora.alpha", "lora.r", "merge.maximum_memory_usage"]
 

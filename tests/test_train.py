@@ -38,8 +38,15 @@ class _CrashAt(TrainerCallback):
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory) -> Path:
     # A smaller llama than the builtin (hidden 64, 2 layers) keeps each step to milliseconds.
-    return save_tiny(tmp_path_factory.mktemp("base"), "llama", hidden_size=64, intermediate_size=128,
-                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    return save_tiny(
+        tmp_path_factory.mktemp("base"),
+        "llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,19 +69,36 @@ def examples(data, tokenizer):
 
 def _model(base_dir: Path, **load_kw):
     torch.manual_seed(0)  # the LoRA A matrices are random: every run must start from the same ones
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa",
-                                                 **load_kw)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa", **load_kw)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                            target_modules=targets))
+    return get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=targets)
+    )
 
 
-def _train(base_dir, tokenizer, examples, data, run_dir, *, mb=2, accum=1, callbacks=None, model=None,
-           **spec):
-    train = TrainSpec(**{"learning_rate": 5e-3, "epochs": 1, "warmup_steps": 2, "save_steps": SAVE_EVERY,
-                         "save_total_limit": 2, "seed": 0, **spec})
-    return train_adapter(model or _model(base_dir), tokenizer, examples, train, data, run_dir,
-                         micro_batch_size=mb, gradient_accumulation_steps=accum, callbacks=callbacks)
+def _train(base_dir, tokenizer, examples, data, run_dir, *, mb=2, accum=1, callbacks=None, model=None, **spec):
+    train = TrainSpec(
+        **{
+            "learning_rate": 5e-3,
+            "epochs": 1,
+            "warmup_steps": 2,
+            "save_steps": SAVE_EVERY,
+            "save_total_limit": 2,
+            "seed": 0,
+            **spec,
+        }
+    )
+    return train_adapter(
+        model or _model(base_dir),
+        tokenizer,
+        examples,
+        train,
+        data,
+        run_dir,
+        micro_batch_size=mb,
+        gradient_accumulation_steps=accum,
+        callbacks=callbacks,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +157,9 @@ def test_resume_after_crash_gives_the_same_losses(full_run, crashed_run, base_di
     assert resumed.tokens_seen == full.tokens_seen
 
 
-def test_resume_with_smaller_micro_batch_after_downshift(full_run, crashed_run, base_dir, tokenizer, examples,
-                                                         data, tmp_path):
+def test_resume_with_smaller_micro_batch_after_downshift(
+    full_run, crashed_run, base_dir, tokenizer, examples, data, tmp_path
+):
     _, full = full_run
     run_dir = tmp_path / "downshift"
     shutil.copytree(crashed_run, run_dir)
@@ -147,8 +172,7 @@ def test_resume_with_smaller_micro_batch_after_downshift(full_run, crashed_run, 
     assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], abs=1e-5)
 
 
-def test_changed_settings_do_not_resume_old_checkpoints(full_run, base_dir, tokenizer, examples, data,
-                                                        tmp_path):
+def test_changed_settings_do_not_resume_old_checkpoints(full_run, base_dir, tokenizer, examples, data, tmp_path):
     run_dir = tmp_path / "changed"
     shutil.copytree(full_run[0], run_dir)
     report = _train(base_dir, tokenizer, examples, data, run_dir, learning_rate=1e-3, max_steps=2)
@@ -159,8 +183,7 @@ def test_changed_settings_do_not_resume_old_checkpoints(full_run, base_dir, toke
 def test_nf4_base_on_cpu_trains(base_dir, tokenizer, examples, data, tmp_path):
     from transformers import BitsAndBytesConfig
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                               bnb_4bit_compute_dtype=torch.float32)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
     model = _model(base_dir, quantization_config=quant)
     assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
     report = _train(base_dir, tokenizer, examples, data, tmp_path / "nf4", model=model, max_steps=3)
@@ -177,13 +200,16 @@ def test_prefect_progress_callback_is_a_no_op_outside_prefect():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("optimizer, expected", [("adamw_torch", "adamw_torch_fused"),
-                                                 ("paged_adamw_8bit", "paged_adamw_8bit")])
-def test_gpu_training_uses_bf16_and_the_gpu_optimizers(base_dir, tokenizer, examples, data, tmp_path,
-                                                        optimizer, expected):
+@pytest.mark.parametrize(
+    "optimizer, expected", [("adamw_torch", "adamw_torch_fused"), ("paged_adamw_8bit", "paged_adamw_8bit")]
+)
+def test_gpu_training_uses_bf16_and_the_gpu_optimizers(
+    base_dir, tokenizer, examples, data, tmp_path, optimizer, expected
+):
     model = _model(base_dir).to("cuda")
-    report = _train(base_dir, tokenizer, examples, data, tmp_path / "gpu", model=model, optimizer=optimizer,
-                    learning_rate=1e-2)
+    report = _train(
+        base_dir, tokenizer, examples, data, tmp_path / "gpu", model=model, optimizer=optimizer, learning_rate=1e-2
+    )
     precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     assert report.precision == precision and report.optimizer == expected
     assert report.eval_loss_after < report.eval_loss_before
@@ -196,13 +222,17 @@ def test_prefect_progress_callback_updates_artifact_in_a_run(monkeypatch):
 
     calls = []
     monkeypatch.setattr(callbacks, "_in_prefect_run", lambda: True)
+
     def create(progress, key=None, description=None):
         calls.append(("create", progress))
         return "id"
 
     monkeypatch.setattr(prefect.artifacts, "create_progress_artifact", create)
-    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact",
-                        lambda artifact_id, progress, description=None: calls.append((artifact_id, progress)))
+    monkeypatch.setattr(
+        prefect.artifacts,
+        "update_progress_artifact",
+        lambda artifact_id, progress, description=None: calls.append((artifact_id, progress)),
+    )
     callback = PrefectProgressCallback(key="run", updates=4)
     state = TrainerState(global_step=0, max_steps=8)
     callback.on_train_begin(None, state, TrainerControl())
@@ -219,8 +249,16 @@ def test_one_process_trains_on_one_device_even_when_more_gpus_are_visible(base_d
 
     from slimtune.train.trainer import _arguments
 
-    args = _arguments(TrainSpec(), tmp_path, micro_batch_size=3, accumulation=1, precision="fp32",
-                      optim="adamw_torch", device=torch.device("cpu"), has_eval=False)
+    args = _arguments(
+        TrainSpec(),
+        tmp_path,
+        micro_batch_size=3,
+        accumulation=1,
+        precision="fp32",
+        optim="adamw_torch",
+        device=torch.device("cpu"),
+        has_eval=False,
+    )
     assert args.device.type == "cpu"
     args._n_gpu = 2  # what TrainingArguments' device setup stores on a host with two visible GPUs
     assert args.n_gpu == 1
@@ -229,8 +267,9 @@ def test_one_process_trains_on_one_device_even_when_more_gpus_are_visible(base_d
     model = AutoModelForCausalLM.from_pretrained(base_dir)
     ids = torch.randint(0, model.config.vocab_size, (3, 16))
     items = torch.tensor(45)  # tokens of the whole accumulation window, as Trainer counts them
-    loss = Trainer(model=model, args=args).compute_loss(model, {"input_ids": ids, "labels": ids},
-                                                        num_items_in_batch=items)
+    loss = Trainer(model=model, args=args).compute_loss(
+        model, {"input_ids": ids, "labels": ids}, num_items_in_batch=items
+    )
     expected = model(input_ids=ids, labels=ids, num_items_in_batch=items).loss
     torch.testing.assert_close(loss, expected)  # not 2x: no DataParallel scaling for a one-device run
 

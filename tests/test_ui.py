@@ -63,10 +63,22 @@ def _rendered(profile: Path, url: str, needle: str) -> str:
 def _chromium(profile: Path, url: str, *args: str, budget_ms: int = _BUDGET_MS) -> str:
     if not _CHROMIUM.is_file():
         pytest.fail("Chromium is missing: apt-get install -y chromium (.ci/run installs it before the tests)")
-    cmd = [str(_CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", "--window-size=1400,1000",
-           *args, url]
+    cmd = [
+        str(_CHROMIUM),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        f"--virtual-time-budget={budget_ms}",
+        "--window-size=1400,1000",
+        *args,
+        url,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"chromium exited {done.returncode}: {done.stderr[-2000:]}"
     return done.stdout
@@ -90,10 +102,18 @@ def test_flow_run_page_shows_tasks_and_reports(tmp_path, request):
     shutil.rmtree(spec.run_dir(), ignore_errors=True)  # a fresh run, not a resumed one
     # The flow runs in its own process: Prefect 3 reports task runs as events through a process-wide
     # worker bound to the first API it saw, which inside this test session may be another test's server.
-    run_flow = ("import sys; from slimtune.flows import finetune; from slimtune.spec import load_spec; "
-                "s = load_spec(sys.argv[1]); s.name = sys.argv[2]; finetune(s)")
-    done = subprocess.run([sys.executable, "-c", run_flow, str(REPO / "deployments" / "tiny-smoke.yaml"), _NAME],
-                          env=server.env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    run_flow = (
+        "import sys; from slimtune.flows import finetune; from slimtune.spec import load_spec; "
+        "s = load_spec(sys.argv[1]); s.name = sys.argv[2]; finetune(s)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", run_flow, str(REPO / "deployments" / "tiny-smoke.yaml"), _NAME],
+        env=server.env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     with temporary_settings({PREFECT_API_URL: server.url}):
         with get_client(sync_client=True) as client:
@@ -108,8 +128,7 @@ def test_flow_run_page_shows_tasks_and_reports(tmp_path, request):
         assert f"{stage} [{_NAME}]" in tasks_dom, f"task run {stage} not rendered"
     assert f"{_NAME}: builtin:tiny-llama on tiny_chat.jsonl" in tasks_dom  # the flow run's name
 
-    memory = _table_rows(_rendered(profile, f"{root}/artifacts/artifact/{artifacts['memory-report']}",
-                                   STAGES[-1]))
+    memory = _table_rows(_rendered(profile, f"{root}/artifacts/artifact/{artifacts['memory-report']}", STAGES[-1]))
     assert memory and memory[0][:2] == ["stage", "outcome"], memory[:2]
     assert [row[0] for row in memory[1:]] == list(STAGES)  # one rendered row per stage, in pipeline order
     assert all(row[1] == "completed" for row in memory[1:]), memory

@@ -47,8 +47,9 @@ class RowCollator:
         pad_to_multiple_of: round padded lengths up (8 suits GPU tensor cores); None = no rounding.
     """
 
-    def __init__(self, mode: BatchMode, pad_token_id: int, *, flash_varlen: bool = False,
-                 pad_to_multiple_of: int | None = None):
+    def __init__(
+        self, mode: BatchMode, pad_token_id: int, *, flash_varlen: bool = False, pad_to_multiple_of: int | None = None
+    ):
         self.mode = mode
         self.pad_token_id = pad_token_id
         self.flash_varlen = flash_varlen
@@ -80,8 +81,7 @@ class RowCollator:
         }
         if self.flash_varlen:
             cu = torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(seq_lens),
-                         max_length_k=max(seq_lens))
+            batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(seq_lens), max_length_k=max(seq_lens))
         return batch
 
     def _packed(self, rows: list[Row]) -> dict:
@@ -93,8 +93,12 @@ class RowCollator:
             labels.append(r.labels + [IGNORE_INDEX] * pad)
             # The padding tail restarts at 0 too, so it is a segment of its own that no example sees.
             positions.append([p for n in r.seq_lens for p in range(n)] + list(range(pad)))
-        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
-                "position_ids": torch.tensor(positions), "use_cache": False}
+        return {
+            "input_ids": torch.tensor(ids),
+            "labels": torch.tensor(labels),
+            "position_ids": torch.tensor(positions),
+            "use_cache": False,
+        }
 
     def _padded(self, rows: list[Row]) -> dict:
         if any(len(r.seq_lens) > 1 for r in rows):
@@ -106,5 +110,9 @@ class RowCollator:
             ids.append(r.input_ids + [self.pad_token_id] * pad)
             labels.append(r.labels + [IGNORE_INDEX] * pad)
             mask.append([1] * len(r.input_ids) + [0] * pad)
-        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
-                "attention_mask": torch.tensor(mask), "use_cache": False}
+        return {
+            "input_ids": torch.tensor(ids),
+            "labels": torch.tensor(labels),
+            "attention_mask": torch.tensor(mask),
+            "use_cache": False,
+        }

@@ -41,10 +41,13 @@ def detect_format(record: Any, data: DataSpec) -> Format:
         return "prompt_completion"
     if data.text_field in record:
         return "text"
-    raise FieldError("(record)", f"cannot detect the format from fields {sorted(record)}; expected "
-                     f"{data.messages_field!r}, {data.prompt_field!r}+{data.completion_field!r} or "
-                     f"{data.text_field!r}; set data.format and data.messages_field/prompt_field/"
-                     "completion_field/text_field to your field names")
+    raise FieldError(
+        "(record)",
+        f"cannot detect the format from fields {sorted(record)}; expected "
+        f"{data.messages_field!r}, {data.prompt_field!r}+{data.completion_field!r} or "
+        f"{data.text_field!r}; set data.format and data.messages_field/prompt_field/"
+        "completion_field/text_field to your field names",
+    )
 
 
 def render(record: Any, fmt: Format, data: DataSpec, tokenizer) -> tuple[list[int], list[int]]:
@@ -76,8 +79,9 @@ def render(record: Any, fmt: Format, data: DataSpec, tokenizer) -> tuple[list[in
 
 def _string(record: dict, field: str, spec_field: str) -> str:
     if field not in record:
-        raise FieldError(field, f"missing; the record has {sorted(record)}; set data.{spec_field} to the "
-                         "field that holds it")
+        raise FieldError(
+            field, f"missing; the record has {sorted(record)}; set data.{spec_field} to the field that holds it"
+        )
     value = record[field]
     if not isinstance(value, str):
         raise FieldError(field, f"expected a string, got {type(value).__name__}")
@@ -86,22 +90,26 @@ def _string(record: dict, field: str, spec_field: str) -> str:
 
 def _messages(record: dict, field: str) -> list[dict[str, str]]:
     if field not in record:
-        raise FieldError(field, f"missing; the record has {sorted(record)}; set data.messages_field to the "
-                         "field that holds the chat messages")
+        raise FieldError(
+            field,
+            f"missing; the record has {sorted(record)}; set data.messages_field to the "
+            "field that holds the chat messages",
+        )
     value = record[field]
     if not isinstance(value, list) or not value:
-        raise FieldError(field, f"expected a non-empty list of {{role, content}} objects, got "
-                         f"{type(value).__name__ if value != [] else 'an empty list'}")
+        raise FieldError(
+            field,
+            f"expected a non-empty list of {{role, content}} objects, got "
+            f"{type(value).__name__ if value != [] else 'an empty list'}",
+        )
     for i, message in enumerate(value):
         if not isinstance(message, dict):
-            raise FieldError(f"{field}[{i}]", f"expected an object with role and content, got "
-                             f"{type(message).__name__}")
+            raise FieldError(f"{field}[{i}]", f"expected an object with role and content, got {type(message).__name__}")
         for key in ("role", "content"):
             if key not in message:
                 raise FieldError(f"{field}[{i}].{key}", "missing; every message needs role and content")
             if not isinstance(message[key], str):
-                raise FieldError(f"{field}[{i}].{key}",
-                                 f"expected a string, got {type(message[key]).__name__}")
+                raise FieldError(f"{field}[{i}].{key}", f"expected a string, got {type(message[key]).__name__}")
     return value
 
 
@@ -114,35 +122,46 @@ def _with_eos(ids: list[int], tokenizer) -> list[int]:
 def _render_messages(messages: list[dict], tokenizer, data: DataSpec) -> tuple[list[int], list[bool]]:
     template = tokenizer.chat_template
     if not template:
-        raise FieldError(data.messages_field, "the tokenizer has no chat template; use a chat model's "
-                         "tokenizer, or convert the data to prompt/completion or text")
+        raise FieldError(
+            data.messages_field,
+            "the tokenizer has no chat template; use a chat model's "
+            "tokenizer, or convert the data to prompt/completion or text",
+        )
     if not data.completion_only_loss:
         ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
         return list(ids), [True] * len(ids)
     if isinstance(template, str) and _GENERATION_TAG.search(template):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
     return _mask_by_prefixes(messages, tokenizer, data.messages_field)
 
 
 def _mask_by_prefixes(messages: list[dict], tokenizer, field: str) -> tuple[list[int], list[bool]]:
     """Assistant spans from renderings of conversation prefixes, for templates without generation tags."""
+
     def ids_of(msgs: list[dict], prompt: bool) -> list[int]:
-        return list(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True,
-                                                  add_generation_prompt=prompt)["input_ids"])
+        return list(
+            tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, add_generation_prompt=prompt)[
+                "input_ids"
+            ]
+        )
 
     ids = ids_of(messages, False)
     mask = [False] * len(ids)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        through = ids_of(messages[:i + 1], False)
+        through = ids_of(messages[: i + 1], False)
         start, end = len(ids_of(messages[:i], True)), len(through)
         if through != ids[:end] or start > end:
-            raise FieldError(field, "the chat template renders conversation prefixes differently from the "
-                             "whole conversation, so assistant tokens cannot be found; use a template with "
-                             "{% generation %} markers or set data.completion_only_loss: false")
+            raise FieldError(
+                field,
+                "the chat template renders conversation prefixes differently from the "
+                "whole conversation, so assistant tokens cannot be found; use a template with "
+                "{% generation %} markers or set data.completion_only_loss: false",
+            )
         # Separators the template writes after the end-of-turn token (ChatML's "\n") are not the reply.
         eos = tokenizer.eos_token_id
         if eos in ids[start:end]:

@@ -73,8 +73,7 @@ def load_examples(data: DataSpec, tokenizer) -> Examples:
         except (FieldError, _Malformed) as e:
             message = f"{raw.where}: {e}"
             if data.on_bad_record == "error":
-                raise DataError(f"{message} (or set data.on_bad_record: skip to skip and count such "
-                                "records)") from None
+                raise DataError(f"{message} (or set data.on_bad_record: skip to skip and count such records)") from None
             counts.skipped_malformed += 1
             if len(counts.skipped_problems) < _KEPT_PROBLEMS:
                 counts.skipped_problems.append(message)
@@ -85,13 +84,19 @@ def load_examples(data: DataSpec, tokenizer) -> Examples:
     if counts.records == 0:
         raise DataError(f"{data.path}:1: field (record): no records; the data is empty")
     if not examples:
-        raise DataError(f"{data.path}: none of the {counts.records} records gave a usable example "
-                        f"({counts.skipped_malformed} malformed, {counts.dropped_overlong} over "
-                        f"max_seq_length {data.max_seq_length}, {counts.dropped_no_targets} without target "
-                        "tokens); check data.format, the field names and data.max_seq_length")
+        raise DataError(
+            f"{data.path}: none of the {counts.records} records gave a usable example "
+            f"({counts.skipped_malformed} malformed, {counts.dropped_overlong} over "
+            f"max_seq_length {data.max_seq_length}, {counts.dropped_no_targets} without target "
+            "tokens); check data.format, the field names and data.max_seq_length"
+        )
     if counts.skipped_malformed:
-        log.warning("skipped %d malformed record(s) of %d; first: %s", counts.skipped_malformed,
-                    counts.records, counts.skipped_problems[0])
+        log.warning(
+            "skipped %d malformed record(s) of %d; first: %s",
+            counts.skipped_malformed,
+            counts.records,
+            counts.skipped_problems[0],
+        )
     train, held_out = _split(examples, data.eval_fraction)
     counts.train_examples, counts.eval_examples = len(train), len(held_out)
     counts.train_tokens = sum(len(e.input_ids) for e in train)
@@ -109,7 +114,7 @@ def _fit(ids: list[int], labels: list[int], data: DataSpec, counts: DataCounts) 
             counts.dropped_overlong += 1
             return None
         counts.truncated += 1
-        ids, labels = ids[:data.max_seq_length], labels[:data.max_seq_length]
+        ids, labels = ids[: data.max_seq_length], labels[: data.max_seq_length]
     if all(t == IGNORE_INDEX for t in labels):
         # Nothing to learn (e.g. the assistant turn was truncated away); it would only cost compute.
         counts.dropped_no_targets += 1
@@ -124,5 +129,4 @@ def _split(examples: list[Example], fraction: float) -> tuple[list[Example], lis
     random.Random(_SPLIT_SEED).shuffle(order)
     n_eval = min(len(examples) - 1, max(1, round(len(examples) * fraction)))
     held = set(order[:n_eval])
-    return ([e for i, e in enumerate(examples) if i not in held],
-            [e for i, e in enumerate(examples) if i in held])
+    return ([e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held])

@@ -87,6 +87,7 @@ def packing_efficiency(rows: Sequence[Row], max_seq_length: int) -> float:
 
 def padded_efficiency(lengths: Sequence[int], batch_size: int) -> float:
     """Share of real tokens when examples are batched in order and padded to each batch's longest."""
-    slots = sum(max(lengths[i:i + batch_size]) * len(lengths[i:i + batch_size])
-                for i in range(0, len(lengths), batch_size))
+    slots = sum(
+        max(lengths[i : i + batch_size]) * len(lengths[i : i + batch_size]) for i in range(0, len(lengths), batch_size)
+    )
     return sum(lengths) / max(1, slots)

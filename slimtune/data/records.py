@@ -61,16 +61,22 @@ def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
-            yield RawRecord(where, problem=f"field (record): byte {e.start + 1} of the line is not UTF-8 "
-                                          f"({line[e.start:e.start + 1]!r}); re-save the file as UTF-8")
+            yield RawRecord(
+                where,
+                problem=f"field (record): byte {e.start + 1} of the line is not UTF-8 "
+                f"({line[e.start : e.start + 1]!r}); re-save the file as UTF-8",
+            )
             continue
         if not text.strip():
             continue  # blank lines (a trailing newline, spacing) are not records
         try:
             yield RawRecord(where, json.loads(text))
         except json.JSONDecodeError as e:
-            yield RawRecord(where, problem=f"field (record): not valid JSON ({e.msg} at column {e.colno}); "
-                                          "each line must be one JSON object")
+            yield RawRecord(
+                where,
+                problem=f"field (record): not valid JSON ({e.msg} at column {e.colno}); "
+                "each line must be one JSON object",
+            )
 
 
 def _iter_json(path: Path) -> Iterator[RawRecord]:
@@ -78,17 +84,20 @@ def _iter_json(path: Path) -> Iterator[RawRecord]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: field (record): byte {e.start + 1} is not UTF-8; re-save the file "
-                        "as UTF-8") from None
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{path}:{line}: field (record): byte {e.start + 1} is not UTF-8; re-save the file as UTF-8"
+        ) from None
     if not text.strip():
         raise DataError(f"{path}:1: field (record): the file is empty; give a JSON list of records")
     # Decode the top-level list element by element so every record knows its starting line.
     decoder = json.JSONDecoder()
     pos = _skip_space(text, 0)
     if text[pos] != "[":
-        raise DataError(f"{path}:{text.count(chr(10), 0, pos) + 1}: field (record): expected a JSON list of "
-                        "records ([{...}, ...]); convert the file to such a list or to JSONL")
+        raise DataError(
+            f"{path}:{text.count(chr(10), 0, pos) + 1}: field (record): expected a JSON list of "
+            "records ([{...}, ...]); convert the file to such a list or to JSONL"
+        )
     pos = _skip_space(text, pos + 1)
     while pos < len(text) and text[pos] != "]":
         line = text.count("\n", 0, pos) + 1
@@ -96,15 +105,18 @@ def _iter_json(path: Path) -> Iterator[RawRecord]:
             value, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             # Past a syntax error the rest of the list cannot be split into records: stop here.
-            raise DataError(f"{path}:{e.lineno}: field (record): not valid JSON ({e.msg} at column "
-                            f"{e.colno}); fix the file") from None
+            raise DataError(
+                f"{path}:{e.lineno}: field (record): not valid JSON ({e.msg} at column {e.colno}); fix the file"
+            ) from None
         yield RawRecord(f"{path}:{line}", value)
         pos = _skip_space(text, pos)
         if pos < len(text) and text[pos] == ",":
             pos = _skip_space(text, pos + 1)
         elif pos < len(text) and text[pos] != "]":
-            raise DataError(f"{path}:{text.count(chr(10), 0, pos) + 1}: field (record): expected ',' or ']' "
-                            "between records; fix the file")
+            raise DataError(
+                f"{path}:{text.count(chr(10), 0, pos) + 1}: field (record): expected ',' or ']' "
+                "between records; fix the file"
+            )
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -115,8 +127,7 @@ def _skip_space(text: str, pos: int) -> int:
 
 def _iter_parquet(path: Path) -> Iterator[RawRecord]:
     if importlib.util.find_spec("pyarrow") is None:
-        raise DataError(f"{path}: reading Parquet needs pyarrow; pip install pyarrow, or convert the file "
-                        "to JSONL")
+        raise DataError(f"{path}: reading Parquet needs pyarrow; pip install pyarrow, or convert the file to JSONL")
     import pyarrow.parquet as pq
 
     table = pq.read_table(path)
@@ -128,17 +139,20 @@ def _iter_parquet(path: Path) -> Iterator[RawRecord]:
 
 def _iter_hub(dataset_id: str, split: str) -> Iterator[RawRecord]:
     if importlib.util.find_spec("datasets") is None:
-        raise DataError(f"{dataset_id}: not a local file, and Hub datasets need the datasets extra: "
-                        "pip install 'slimtune[datasets]'")
+        raise DataError(
+            f"{dataset_id}: not a local file, and Hub datasets need the datasets extra: "
+            "pip install 'slimtune[datasets]'"
+        )
     import datasets
 
     try:
         rows = datasets.load_dataset(dataset_id, split=split)
     except Exception as e:  # the library raises many types (network, missing split, auth)
-        raise DataError(f"{dataset_id}[{split}]: could not load the Hub dataset ({type(e).__name__}: {e}); "
-                        "check data.path, data.split and your network/token") from e
+        raise DataError(
+            f"{dataset_id}[{split}]: could not load the Hub dataset ({type(e).__name__}: {e}); "
+            "check data.path, data.split and your network/token"
+        ) from e
     if len(rows) == 0:
-        raise DataError(f"{dataset_id}[{split}]:row 1: field (record): the split is empty; choose another "
-                        "data.split")
+        raise DataError(f"{dataset_id}[{split}]:row 1: field (record): the split is empty; choose another data.split")
     for number, row in enumerate(rows, start=1):
         yield RawRecord(f"{dataset_id}[{split}]:row {number}", row)

@@ -34,9 +34,14 @@ from slimtune.export.gguf_tokenizer import add_tokenizer
 
 Q = gguf.GGMLQuantizationType
 _FT = gguf.LlamaFileType
-_OUT_TYPES = {"f32": (Q.F32, _FT.ALL_F32), "f16": (Q.F16, _FT.MOSTLY_F16),
-              "bf16": (Q.BF16, _FT.MOSTLY_BF16), "q8_0": (Q.Q8_0, _FT.MOSTLY_Q8_0),
-              "q4_0": (Q.Q4_0, _FT.MOSTLY_Q4_0), "q5_0": (Q.Q5_0, _FT.MOSTLY_Q5_0)}
+_OUT_TYPES = {
+    "f32": (Q.F32, _FT.ALL_F32),
+    "f16": (Q.F16, _FT.MOSTLY_F16),
+    "bf16": (Q.BF16, _FT.MOSTLY_BF16),
+    "q8_0": (Q.Q8_0, _FT.MOSTLY_Q8_0),
+    "q4_0": (Q.Q4_0, _FT.MOSTLY_Q4_0),
+    "q5_0": (Q.Q5_0, _FT.MOSTLY_Q5_0),
+}
 assert set(_OUT_TYPES) == set(CONVERTER_TYPES)
 
 
@@ -64,8 +69,9 @@ class _Planned:
     qtype: Q
 
 
-def convert_hf_to_gguf(model_dir: Path, out_path: Path, out_type: str = "f16", *,
-                       split_max_bytes: int | None = None) -> list[Path]:
+def convert_hf_to_gguf(
+    model_dir: Path, out_path: Path, out_type: str = "f16", *, split_max_bytes: int | None = None
+) -> list[Path]:
     """Convert the HF checkpoint in `model_dir` to GGUF at `out_path` and return the written file(s).
 
     Args:
@@ -81,21 +87,26 @@ def convert_hf_to_gguf(model_dir: Path, out_path: Path, out_type: str = "f16", *
     """
     model_dir, out_path = Path(model_dir), Path(out_path)
     if out_type not in _OUT_TYPES:
-        raise ValueError(f"out_type {out_type!r} is not written by the converter; use one of "
-                         f"{', '.join(_OUT_TYPES)} (k-quants: convert to f16, then quantize_gguf)")
+        raise ValueError(
+            f"out_type {out_type!r} is not written by the converter; use one of "
+            f"{', '.join(_OUT_TYPES)} (k-quants: convert to f16, then quantize_gguf)"
+        )
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     arch_name = (config.get("architectures") or ["?"])[0]
     if arch_name not in _FAMILIES:
-        raise ValueError(f"{model_dir / 'config.json'}: architecture {arch_name!r} is not supported by the "
-                         f"GGUF converter; supported: {', '.join(_FAMILIES)}")
+        raise ValueError(
+            f"{model_dir / 'config.json'}: architecture {arch_name!r} is not supported by the "
+            f"GGUF converter; supported: {', '.join(_FAMILIES)}"
+        )
     family = _FAMILIES[arch_name]
     default_qtype, file_type = _OUT_TYPES[out_type]
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.sweep_leftovers(out_path.parent, out_path.stem)  # a conversion killed earlier left these
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_path.stem}.", suffix=".tmp", dir=out_path.parent))
-    writer = gguf.GGUFWriter(tmp_dir / out_path.name, gguf.MODEL_ARCH_NAMES[family.arch],
-                             split_max_size=split_max_bytes or 0)  # opens nothing until the header
+    writer = gguf.GGUFWriter(
+        tmp_dir / out_path.name, gguf.MODEL_ARCH_NAMES[family.arch], split_max_size=split_max_bytes or 0
+    )  # opens nothing until the header
     try:
         plan = list(_plan_tensors(model_dir, config, family, default_qtype))
         n_vocab = next(p.shape[0] for p in plan if p.name == "token_embd.weight")
@@ -109,9 +120,12 @@ def convert_hf_to_gguf(model_dir: Path, out_path: Path, out_type: str = "f16", *
             writer.add_tensor_info(p.name, p.shape, np.dtype(np.float32), n_bytes, raw_dtype=p.qtype)
         free = shutil.disk_usage(out_path.parent).free
         if need > free:  # tensor data alone; the header (vocab, merges) adds well under 1% more
-            raise OSError(errno.ENOSPC, f"not enough disk space for {out_path}: the tensors need "
-                          f"{need / 1e9:.2f} GB, {free / 1e9:.2f} GB is free there; free space or point "
-                          "output_dir at a larger disk")
+            raise OSError(
+                errno.ENOSPC,
+                f"not enough disk space for {out_path}: the tensors need "
+                f"{need / 1e9:.2f} GB, {free / 1e9:.2f} GB is free there; free space or point "
+                "output_dir at a larger disk",
+            )
         tmp_files = writer.format_shard_names(tmp_dir / out_path.name)
         try:
             writer.write_header_to_file()
@@ -122,8 +136,11 @@ def convert_hf_to_gguf(model_dir: Path, out_path: Path, out_type: str = "f16", *
             writer.close()
         except OSError as e:  # e.g. the disk filled up while writing: say where and how much was needed
             free = shutil.disk_usage(out_path.parent).free
-            raise OSError(e.errno, f"writing {out_path} failed ({e}); it needs {need / 1e9:.2f} GB and "
-                          f"{free / 1e9:.2f} GB is free there; nothing was published") from e
+            raise OSError(
+                e.errno,
+                f"writing {out_path} failed ({e}); it needs {need / 1e9:.2f} GB and "
+                f"{free / 1e9:.2f} GB is free there; nothing was published",
+            ) from e
         final = [out_path.parent / f.name for f in tmp_files]
         for tmp, dst in zip(tmp_files, final):
             os.replace(tmp, dst)
@@ -141,8 +158,7 @@ def _encode(data: np.ndarray, qtype: Q) -> np.ndarray:
     return gguf.quants.quantize(data, qtype)  # BF16 rounding and Q8_0/Q4_0/Q5_0 match ggml's bytes
 
 
-def _plan_tensors(model_dir: Path, config: dict[str, Any], family: _Family,
-                  default_qtype: Q) -> Iterator[_Planned]:
+def _plan_tensors(model_dir: Path, config: dict[str, Any], family: _Family, default_qtype: Q) -> Iterator[_Planned]:
     from safetensors import safe_open
 
     n_layers = config["num_hidden_layers"]
@@ -153,20 +169,22 @@ def _plan_tensors(model_dir: Path, config: dict[str, Any], family: _Family,
 
     rope_freqs = _llama3_rope_factors(config)
     if rope_freqs is not None:
-        yield _Planned(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
-                       lambda: rope_freqs, rope_freqs.shape, Q.F32)
+        yield _Planned(
+            gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", lambda: rope_freqs, rope_freqs.shape, Q.F32
+        )
     for file, key in _safetensors_keys(model_dir):
         if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
             continue  # recomputed by llama.cpp / shared with token_embd
         name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
-            raise ValueError(f"{file.name}: tensor {key!r} has no GGUF name for {family.arch.name.lower()}; "
-                             "the checkpoint has modules the converter does not know")
+            raise ValueError(
+                f"{file.name}: tensor {key!r} has no GGUF name for {family.arch.name.lower()}; "
+                "the checkpoint has modules the converter does not know"
+            )
         with safe_open(file, framework="pt") as f:
             shape = tuple(f.get_slice(key).get_shape())
         transform = _transform_for(key, family, n_head, n_kv)
-        yield _Planned(name, _loader(file, key, transform), shape,
-                       _tensor_qtype(name, shape, default_qtype, tied))
+        yield _Planned(name, _loader(file, key, transform), shape, _tensor_qtype(name, shape, default_qtype, tied))
 
 
 def _safetensors_keys(model_dir: Path) -> Iterator[tuple[Path, str]]:
@@ -179,8 +197,9 @@ def _safetensors_keys(model_dir: Path) -> Iterator[tuple[Path, str]]:
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}; save the model with "
-                                "save_pretrained(dir, safe_serialization=True)")
+        raise FileNotFoundError(
+            f"no *.safetensors in {model_dir}; save the model with save_pretrained(dir, safe_serialization=True)"
+        )
     for file in files:
         with safe_open(file, framework="pt") as f:
             keys = list(f.keys())
@@ -251,13 +270,13 @@ def _llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
     smooth = (old_ctx / wavelen - low) / (high - low)
     # llama.cpp divides each rope frequency by its factor: 1 for short wavelengths, `factor` for long
     # ones, and the same smooth blend in between that transformers applies to inv_freq.
-    factors = np.where(wavelen < old_ctx / high, 1.0,
-                       np.where(wavelen > old_ctx / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+    factors = np.where(
+        wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, 1.0 / ((1 - smooth) / factor + smooth))
+    )
     return factors.astype(np.float32)
 
 
-def _add_hparams(writer: gguf.GGUFWriter, config: dict[str, Any], name: str, file_type: int,
-                 n_vocab: int) -> None:
+def _add_hparams(writer: gguf.GGUFWriter, config: dict[str, Any], name: str, file_type: int, n_vocab: int) -> None:
     n_head = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
     writer.add_name(name)
@@ -293,16 +312,23 @@ def _add_rope_scaling(writer: gguf.GGUFWriter, scaling: dict[str, Any], config: 
     elif kind == "yarn":
         # Checked against transformers to 1e-6 with the default ramp (beta_fast 32, beta_slow 1) and
         # attention factor; with other betas llama.cpp's logits differ (8e-3 measured), so refuse them.
-        custom = {k: scaling[k] for k in ("beta_fast", "beta_slow", "attention_factor", "mscale",
-                                          "mscale_all_dim", "truncate")
-                  if scaling.get(k) is not None and scaling[k] != _YARN_DEFAULTS.get(k)}
+        custom = {
+            k: scaling[k]
+            for k in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+            if scaling.get(k) is not None and scaling[k] != _YARN_DEFAULTS.get(k)
+        }
         if custom:
-            raise ValueError(f"config.json: yarn rope scaling with {custom} is not supported by the GGUF "
-                             "converter (only factor and original_max_position_embeddings)")
+            raise ValueError(
+                f"config.json: yarn rope scaling with {custom} is not supported by the GGUF "
+                "converter (only factor and original_max_position_embeddings)"
+            )
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
-        writer.add_rope_scaling_orig_ctx_len(int(scaling.get("original_max_position_embeddings")
-                                                 or config["max_position_embeddings"]))
+        writer.add_rope_scaling_orig_ctx_len(
+            int(scaling.get("original_max_position_embeddings") or config["max_position_embeddings"])
+        )
     else:
-        raise ValueError(f"config.json: rope scaling type {kind!r} is not supported by the GGUF converter "
-                         "(supported: linear, yarn, llama3)")
+        raise ValueError(
+            f"config.json: rope scaling type {kind!r} is not supported by the GGUF converter "
+            "(supported: linear, yarn, llama3)"
+        )

@@ -113,8 +113,9 @@ def quantize_gguf(src: Path, out: Path, method: str) -> Path:
     try:
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0:
-            raise RuntimeError(f"llama.cpp failed to quantize {src} to {canonical} (return code {rc}); "
-                               "see llama.cpp's log above")
+            raise RuntimeError(
+                f"llama.cpp failed to quantize {src} to {canonical} (return code {rc}); see llama.cpp's log above"
+            )
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -24,10 +24,14 @@ from typing import Any
 import gguf
 
 _GPT2 = "gpt-2"
-_LLAMA3_REGEX = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}"
-                 "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
-_QWEN2_REGEX = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}"
-                "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+_LLAMA3_REGEX = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}"
+    "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+_QWEN2_REGEX = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}"
+    "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
 # regex -> (llama.cpp pre-tokenizer name, the ignore_merges value llama.cpp hard-codes for it)
 _SPLIT_PRE = {_LLAMA3_REGEX: ("llama-bpe", True), _QWEN2_REGEX: ("qwen2", False)}
 
@@ -46,21 +50,27 @@ def pre_tokenizer_name(tokenizer_json: dict[str, Any], source: str = "tokenizer.
     if model.get("type") != "BPE":
         raise UnsupportedTokenizerError(
             f"{source}: model type {model.get('type')!r} is not supported; the GGUF converter writes "
-            "byte-level BPE tokenizers only (SentencePiece/Unigram/WordPiece are not converted)")
+            "byte-level BPE tokenizers only (SentencePiece/Unigram/WordPiece are not converted)"
+        )
     for field in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(field):
-            raise UnsupportedTokenizerError(f"{source}: model.{field}={model.get(field)!r} has no llama.cpp "
-                                            "equivalent for byte-level BPE")
+            raise UnsupportedTokenizerError(
+                f"{source}: model.{field}={model.get(field)!r} has no llama.cpp equivalent for byte-level BPE"
+            )
     normalizer = tokenizer_json.get("normalizer")
     # NFC is what Qwen2 ships; llama.cpp does not apply it, which only matters for text that is not
     # already NFC (decomposed accents). Any other normalizer changes ordinary text, so it is refused.
     if normalizer is not None and normalizer.get("type") != "NFC":
-        raise UnsupportedTokenizerError(f"{source}: normalizer {normalizer.get('type')!r} is not applied "
-                                        "by llama.cpp; the GGUF would tokenize differently")
+        raise UnsupportedTokenizerError(
+            f"{source}: normalizer {normalizer.get('type')!r} is not applied "
+            "by llama.cpp; the GGUF would tokenize differently"
+        )
     decoder = tokenizer_json.get("decoder") or {}
     if decoder.get("type") != "ByteLevel":
-        raise UnsupportedTokenizerError(f"{source}: decoder {decoder.get('type')!r} is not ByteLevel; "
-                                        "only byte-level BPE tokenizers can be converted")
+        raise UnsupportedTokenizerError(
+            f"{source}: decoder {decoder.get('type')!r} is not ByteLevel; "
+            "only byte-level BPE tokenizers can be converted"
+        )
     pre = tokenizer_json.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     ignore_merges = bool(model.get("ignore_merges", False))
@@ -69,22 +79,32 @@ def pre_tokenizer_name(tokenizer_json: dict[str, Any], source: str = "tokenizer.
         raise UnsupportedTokenizerError(
             f"{source}: pre-tokenizer {json.dumps(pre)} (ignore_merges={ignore_merges}, normalizer="
             f"{json.dumps(normalizer)}) matches none that llama.cpp implements identically (GPT-2 ByteLevel "
-            "regex, Llama-3 or Qwen2 split regex); refusing to write a GGUF that would tokenize differently")
+            "regex, Llama-3 or Qwen2 split regex); refusing to write a GGUF that would tokenize differently"
+        )
     return name
 
 
 def _match_pre(steps: list[dict[str, Any]], ignore_merges: bool, normalizer: dict | None) -> str | None:
     if len(steps) == 1 and steps[0].get("type") == "ByteLevel":
         step = steps[0]
-        if step.get("use_regex", True) and not step.get("add_prefix_space") and not ignore_merges \
-                and normalizer is None:
+        if (
+            step.get("use_regex", True)
+            and not step.get("add_prefix_space")
+            and not ignore_merges
+            and normalizer is None
+        ):
             return _GPT2
         return None
     if len(steps) == 2 and [s.get("type") for s in steps] == ["Split", "ByteLevel"]:
         split, byte_level = steps
         regex = (split.get("pattern") or {}).get("Regex")
-        if (regex not in _SPLIT_PRE or split.get("behavior") != "Isolated" or split.get("invert")
-                or byte_level.get("use_regex") or byte_level.get("add_prefix_space")):
+        if (
+            regex not in _SPLIT_PRE
+            or split.get("behavior") != "Isolated"
+            or split.get("invert")
+            or byte_level.get("use_regex")
+            or byte_level.get("add_prefix_space")
+        ):
             return None
         name, llama_ignores_merges = _SPLIT_PRE[regex]
         return name if ignore_merges == llama_ignores_merges else None
@@ -107,8 +127,10 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> Non
     source = f"{Path(model_dir)} ({type(hf_tok).__name__})"
     backend = getattr(hf_tok, "backend_tokenizer", None)
     if backend is None:
-        raise UnsupportedTokenizerError(f"{source}: not a fast (tokenizers) tokenizer; SentencePiece-only "
-                                        "tokenizers are not converted, save a tokenizer.json")
+        raise UnsupportedTokenizerError(
+            f"{source}: not a fast (tokenizers) tokenizer; SentencePiece-only "
+            "tokenizers are not converted, save a tokenizer.json"
+        )
     tj = json.loads(backend.to_str())
     pre = pre_tokenizer_name(tj, source)
     tokens, types = _tokens_and_types(tj, n_vocab, source)
@@ -117,8 +139,12 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> Non
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
-    for name, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                      ("pad", writer.add_pad_token_id), ("unk", writer.add_unk_token_id)):
+    for name, add in (
+        ("bos", writer.add_bos_token_id),
+        ("eos", writer.add_eos_token_id),
+        ("pad", writer.add_pad_token_id),
+        ("unk", writer.add_unk_token_id),
+    ):
         token_id = getattr(hf_tok, f"{name}_token_id", None)
         if token_id is not None:
             add(token_id)
@@ -134,18 +160,23 @@ def _tokens_and_types(tj: dict[str, Any], n_vocab: int, source: str) -> tuple[li
     types = {i: gguf.TokenType.NORMAL for i in by_id}
     for added in tj.get("added_tokens", []):
         if added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
-            raise UnsupportedTokenizerError(f"{source}: added token {added['content']!r} strips spaces or "
-                                            "matches single words; llama.cpp does not reproduce that")
+            raise UnsupportedTokenizerError(
+                f"{source}: added token {added['content']!r} strips spaces or "
+                "matches single words; llama.cpp does not reproduce that"
+            )
         by_id[added["id"]] = added["content"]
         types[added["id"]] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
     size = max(by_id) + 1
     if size > n_vocab:
-        raise UnsupportedTokenizerError(f"{source}: the tokenizer has {size} tokens but the model's "
-                                        f"embedding only {n_vocab} rows; resize_token_embeddings first")
+        raise UnsupportedTokenizerError(
+            f"{source}: the tokenizer has {size} tokens but the model's "
+            f"embedding only {n_vocab} rows; resize_token_embeddings first"
+        )
     missing = [i for i in range(size) if i not in by_id]
     if missing:
-        raise UnsupportedTokenizerError(f"{source}: token ids {missing[:5]} have no token; the vocab has "
-                                        "holes llama.cpp cannot represent")
+        raise UnsupportedTokenizerError(
+            f"{source}: token ids {missing[:5]} have no token; the vocab has holes llama.cpp cannot represent"
+        )
     # Rows past the tokenizer (embeddings padded to a multiple of 64/128) get unused placeholder tokens,
     # because llama.cpp requires one token per embedding row.
     tokens = [by_id[i] for i in range(size)] + [f"[PAD{i}]" for i in range(size, n_vocab)]
@@ -161,6 +192,8 @@ def _adds_special(hf_tok) -> tuple[bool, bool]:
     add_bos = bos is not None and len(full) > len(plain) and full[0] == bos
     add_eos = eos is not None and len(full) > len(plain) and full[-1] == eos
     if len(full) - len(plain) != int(add_bos) + int(add_eos):
-        raise UnsupportedTokenizerError("the tokenizer's post-processor adds tokens other than BOS/EOS "
-                                        f"({plain} -> {full}); llama.cpp cannot reproduce that")
+        raise UnsupportedTokenizerError(
+            "the tokenizer's post-processor adds tokens other than BOS/EOS "
+            f"({plain} -> {full}); llama.cpp cannot reproduce that"
+        )
     return add_bos, add_eos

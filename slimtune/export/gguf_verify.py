@@ -40,17 +40,25 @@ def check_complete(gguf_path: Path) -> list[Path]:
 
     gguf_path = Path(gguf_path)
     match = _SHARD.match(gguf_path.name)
-    files = ([gguf_path.with_name(f"{match['stem']}-{i:05d}-of-{match['count']}.gguf")
-              for i in range(1, int(match["count"]) + 1)] if match else [gguf_path])
+    files = (
+        [
+            gguf_path.with_name(f"{match['stem']}-{i:05d}-of-{match['count']}.gguf")
+            for i in range(1, int(match["count"]) + 1)
+        ]
+        if match
+        else [gguf_path]
+    )
     for file in files:
         if not file.is_file():
             raise GGUFVerifyError(f"GGUF file {file} is missing; re-run the conversion")
         try:
             GGUFReader(file)
         except Exception as exc:  # numpy/struct errors from deep inside the reader on a short file
-            raise GGUFVerifyError(f"GGUF file {file} ({file.stat().st_size} bytes) is truncated or corrupt: "
-                                  f"gguf's reader failed ({type(exc).__name__}: {exc}); re-run the "
-                                  "conversion") from exc
+            raise GGUFVerifyError(
+                f"GGUF file {file} ({file.stat().st_size} bytes) is truncated or corrupt: "
+                f"gguf's reader failed ({type(exc).__name__}: {exc}); re-run the "
+                "conversion"
+            ) from exc
     return files
 
 
@@ -63,12 +71,20 @@ def load_llama(gguf_path: Path, n_ctx: int = 512):
     llama_cpp = require_llama_cpp("verifying a GGUF in llama.cpp")
     check_complete(gguf_path)
     try:
-        return llama_cpp.Llama(str(gguf_path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx,
-                               type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
-                               n_threads=_THREADS, verbose=False)
+        return llama_cpp.Llama(
+            str(gguf_path),
+            logits_all=True,
+            n_ctx=n_ctx,
+            n_batch=n_ctx,
+            type_k=llama_cpp.GGML_TYPE_F32,
+            type_v=llama_cpp.GGML_TYPE_F32,
+            n_threads=_THREADS,
+            verbose=False,
+        )
     except ValueError as exc:
-        raise GGUFVerifyError(f"llama.cpp could not load {gguf_path}: {exc}; load it with verbose=True "
-                              "to see llama.cpp's reason") from exc
+        raise GGUFVerifyError(
+            f"llama.cpp could not load {gguf_path}: {exc}; load it with verbose=True to see llama.cpp's reason"
+        ) from exc
 
 
 def llama_cpp_logits(llm, ids: list[int]) -> np.ndarray:
@@ -87,8 +103,10 @@ def compare_logits(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     """Max abs difference and argmax agreement fraction of two (positions, vocab) logit arrays."""
     if a.shape != b.shape:
         raise ValueError(f"logit shapes differ: {a.shape} vs {b.shape}")
-    return {"max_abs_logit_diff": float(np.abs(a - b).max()),
-            "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).mean())}
+    return {
+        "max_abs_logit_diff": float(np.abs(a - b).max()),
+        "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).mean()),
+    }
 
 
 def verify_gguf(gguf_path: Path, model_dir: Path, prompts: list[str]) -> dict[str, Any]:
@@ -114,8 +132,9 @@ def verify_gguf(gguf_path: Path, model_dir: Path, prompts: list[str]) -> dict[st
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf_ids = [tokenizer(p)["input_ids"] for p in prompts]
     if not all(hf_ids):
-        raise ValueError(f"prompts {[k for k, ids in enumerate(hf_ids) if not ids]} tokenize to no tokens; "
-                         "give non-empty prompts")
+        raise ValueError(
+            f"prompts {[k for k, ids in enumerate(hf_ids) if not ids]} tokenize to no tokens; give non-empty prompts"
+        )
     llm = load_llama(gguf_path, n_ctx=max(64, max(len(i) for i in hf_ids)))
     mismatches = [k for k, (p, ids) in enumerate(zip(prompts, hf_ids)) if llama_cpp_tokenize(llm, p) != ids]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -128,6 +147,12 @@ def verify_gguf(gguf_path: Path, model_dir: Path, prompts: list[str]) -> dict[st
             agree += stats["argmax_agreement"] * len(ids)
             positions += len(ids)
     llm.close()
-    return {"gguf": str(gguf_path), "prompts": len(prompts), "positions": positions,
-            "token_ids_equal": not mismatches, "token_mismatches": mismatches,
-            "max_abs_logit_diff": worst, "argmax_agreement": agree / positions}
+    return {
+        "gguf": str(gguf_path),
+        "prompts": len(prompts),
+        "positions": positions,
+        "token_ids_equal": not mismatches,
+        "token_mismatches": mismatches,
+        "max_abs_logit_diff": worst,
+        "argmax_agreement": agree / positions,
+    }

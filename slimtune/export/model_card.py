@@ -21,8 +21,7 @@ _BASE_TAGS = ("gguf", "llama.cpp", "ollama", "lora", "qlora", "slimtune")
 # Ollama's Go template for ChatML: every message as <|im_start|>role\ncontent<|im_end|>\n, then the
 # assistant header that asks for the reply (what add_generation_prompt=True renders).
 _CHATML_OLLAMA = (
-    "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}"
-    "<|im_start|>assistant\n"
+    "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
 )
 _CHATML_END = "<|im_end|>"
 # A probe with a system turn, two user turns and one assistant turn covers every branch a ChatML template has.
@@ -177,9 +176,7 @@ def render_modelfile(
     return "\n".join(lines) + "\n"
 
 
-def _match_chatml(
-    chat_template: str | None, bos_token: str | None, eos_token: str | None
-) -> tuple[bool, str | None]:
+def _match_chatml(chat_template: str | None, bos_token: str | None, eos_token: str | None) -> tuple[bool, str | None]:
     """(whether the template renders ChatML, the system prompt it adds when the chat has none)."""
     if not chat_template:
         return False, None
@@ -213,7 +210,7 @@ def _render(
             bos_token=bos_token or "",
             eos_token=eos_token or "",
         )
-    except Exception:  # noqa: BLE001 - a template that raises on the probe is simply not recognised
+    except Exception:
         return None
     text = rendered[0]
     return text[len(bos_token) :] if bos_token and text.startswith(bos_token) else text

@@ -88,15 +88,11 @@ def resolve_token() -> str | None:
         value = Secret.load(block).get()
     except ValueError as exc:
         if isinstance(exc.__cause__, ObjectNotFound):  # Prefect wraps "no such block" in a ValueError
-            logger.debug(
-                "no Prefect Secret block %r; pushing with huggingface_hub's saved token, if any", block
-            )
+            logger.debug("no Prefect Secret block %r; pushing with huggingface_hub's saved token, if any", block)
             return None
         raise
-    except Exception as exc:  # noqa: BLE001 - an unreachable Prefect API must not block a push with a saved login
-        logger.warning(
-            "could not read Prefect Secret block %r (%s); pushing without it", block, type(exc).__name__
-        )
+    except Exception as exc:
+        logger.warning("could not read Prefect Secret block %r (%s); pushing without it", block, type(exc).__name__)
         return None
     if not isinstance(value, str) or not value.strip():
         raise ValueError(
@@ -142,10 +138,8 @@ def push_folder(
     logger.info("pushing %d file(s), %d bytes, to %s@%s", len(sizes), sum(sizes.values()), repo_id, branch)
     for attempt in range(1, max_attempts + 1):
         try:
-            info = _push_once(
-                api, files, repo_id, private=private, revision=revision, commit_message=commit_message
-            )
-        except Exception as exc:  # noqa: BLE001 - classified below; anything unknown fails at once
+            info = _push_once(api, files, repo_id, private=private, revision=revision, commit_message=commit_message)
+        except Exception as exc:
             status, retriable = _classify(exc)
             detail = _redact(_describe(exc), secrets)
             if not retriable or attempt == max_attempts:
@@ -194,9 +188,7 @@ def _push_once(
     if revision not in (None, "main"):
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     # Fresh operations every attempt: huggingface_hub mutates them and refuses to commit one twice.
-    operations = [
-        CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(local)) for path, local in files.items()
-    ]
+    operations = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(local)) for path, local in files.items()]
     return api.create_commit(repo_id, operations, commit_message=commit_message, revision=revision)
 
 
@@ -236,9 +228,7 @@ def _validate(
             )
         local = Path(local)
         if not local.is_file():
-            problems.append(
-                f"files[{path_in_repo!r}] = {str(local)!r} is not an existing file; export it first"
-            )
+            problems.append(f"files[{path_in_repo!r}] = {str(local)!r} is not an existing file; export it first")
         else:
             sizes[path_in_repo] = local.stat().st_size
     if problems:
@@ -306,9 +296,7 @@ def _redact(text: str, secrets: Iterable[str]) -> str:
     return _BEARER_RE.sub(r"\g<1>" + _REDACTED, text)
 
 
-def _advice(
-    status: int | None, retriable: bool, detail: str, repo_id: str, branch: str, attempts: int
-) -> str:
+def _advice(status: int | None, retriable: bool, detail: str, repo_id: str, branch: str, attempts: int) -> str:
     """A message that names the cause and the fix."""
     where = f"{repo_id}@{branch}"
     if status == 401:

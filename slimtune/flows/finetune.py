@@ -34,8 +34,12 @@ def _flow_run_name() -> str:
 
 
 # The hook's own bound is the spec field's maximum; crash_downshift applies guard.max_crash_resubmits.
-@flow(name="finetune", flow_run_name=_flow_run_name, log_prints=True,
-      on_crashed=[resubmit_on_crash(crash_downshift, max_resubmits=MAX_CRASH_RESUBMITS)])
+@flow(
+    name="finetune",
+    flow_run_name=_flow_run_name,
+    log_prints=True,
+    on_crashed=[resubmit_on_crash(crash_downshift, max_resubmits=MAX_CRASH_RESUBMITS)],
+)
 def finetune(spec: PipelineSpec) -> dict:
     """Fine-tune `spec.model` with QLoRA on `spec.data`, merge, and export GGUF; returns the run summary."""
     spec = recheck_paths(spec)
@@ -44,8 +48,10 @@ def finetune(spec: PipelineSpec) -> dict:
     examples = prepare_data(spec, str(model_dir))  # bad data fails here, before any model is loaded
     baseline = MemorySnapshot.take().to_dict()
     summary: dict = {"spec": spec.model_dump(mode="json")}
-    load, attach, train, clean, merge, export = (t.with_options(retries=spec.guard.max_retries) for t in (
-        load_4bit_task, attach_lora_task, packed_sft_task, cleanup_task, dequant_merge_task, gguf_task))
+    load, attach, train, clean, merge, export = (
+        t.with_options(retries=spec.guard.max_retries)
+        for t in (load_4bit_task, attach_lora_task, packed_sft_task, cleanup_task, dequant_merge_task, gguf_task)
+    )
     try:
         with gpu_concurrency(gpu_slot()):
             summary["load_4bit"] = loaded = load(spec)
@@ -55,8 +61,9 @@ def finetune(spec: PipelineSpec) -> dict:
             if spec.merge.enabled:
                 summary["dequant_merge"] = merged = merge(spec, trained["adapter_dir"])
                 if spec.export.gguf or spec.export.push:
-                    summary["gguf_convert_and_push"] = export(spec, merged["out_dir"], trained["adapter_dir"],
-                                                              _card_facts(summary))
+                    summary["gguf_convert_and_push"] = export(
+                        spec, merged["out_dir"], trained["adapter_dir"], _card_facts(summary)
+                    )
     finally:
         registry.release_all()  # also on failure: a failed run must not pin a model in this process
         publish_memory_report(load_records(spec.run_dir() / "memory"))
@@ -67,5 +74,9 @@ def finetune(spec: PipelineSpec) -> dict:
 def _card_facts(summary: dict) -> dict:
     """The training facts the model card needs (small, JSON-able)."""
     trained = summary["packed_sft"]
-    return {"spec": summary["spec"], "train": {k: trained.get(k) for k in (
-        "steps", "eval_loss_before", "eval_loss_after", "tokens_seen", "seconds")}}
+    return {
+        "spec": summary["spec"],
+        "train": {
+            k: trained.get(k) for k in ("steps", "eval_loss_before", "eval_loss_after", "tokens_seen", "seconds")
+        },
+    }

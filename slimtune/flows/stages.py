@@ -18,6 +18,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from slimtune import atomic
+from slimtune.device import resolve_compute_dtype, resolve_device
 from slimtune.memory import (
     Estimate,
     GuardRecord,
@@ -32,7 +33,6 @@ from slimtune.memory import (
     publish_task_report,
     retry_on_memory_pressure,
 )
-from slimtune.device import resolve_compute_dtype, resolve_device
 from slimtune.model_source import local_model_dir, read_config
 from slimtune.spec import PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
@@ -54,9 +54,11 @@ def _device(spec: PipelineSpec) -> str:
 
 def _save_record(spec: PipelineSpec):
     """Publish a stage's memory record and keep it on disk (the flow's memory report reads them back)."""
+
     def save(record: GuardRecord) -> None:
         publish_task_report(record)
         atomic.write_json(spec.run_dir() / "memory" / f"{record.stage}.json", asdict(record))
+
     return save
 
 
@@ -76,14 +78,25 @@ def _guard(stage: str, spec: PipelineSpec, estimate: Estimate | None, downshifts
     """The memory guard around one stage (a null context when the spec turns the guard off)."""
     if not spec.guard.enabled:
         return contextlib.nullcontext()
-    return guarded(stage, estimate=estimate if spec.guard.preflight else None, device=_device(spec),
-                   budget_fraction=spec.guard.gpu_memory_fraction, disk_path=spec.run_dir(),
-                   downshifts=list(downshifts), on_exit=_save_record(spec))
+    return guarded(
+        stage,
+        estimate=estimate if spec.guard.preflight else None,
+        device=_device(spec),
+        budget_fraction=spec.guard.gpu_memory_fraction,
+        disk_path=spec.run_dir(),
+        downshifts=list(downshifts),
+        on_exit=_save_record(spec),
+    )
 
 
 def _task(name: str, run_name: str):
-    return task(name=name, task_run_name=run_name, cache_policy=NO_CACHE,
-                retry_condition_fn=retry_on_memory_pressure, retry_delay_seconds=0)
+    return task(
+        name=name,
+        task_run_name=run_name,
+        cache_policy=NO_CACHE,
+        retry_condition_fn=retry_on_memory_pressure,
+        retry_delay_seconds=0,
+    )
 
 
 @_task("load_4bit", "load_4bit [{spec.name}]")
@@ -107,24 +120,44 @@ def attach_lora_task(spec: PipelineSpec, handle: str | None) -> dict:
 
 
 @_task("packed_sft", "packed_sft [{spec.name}]")
-def packed_sft_task(spec: PipelineSpec, handle: str | None, checkpointing_handle: str | None,
-                    examples_handle: str) -> dict:
+def packed_sft_task(
+    spec: PipelineSpec, handle: str | None, checkpointing_handle: str | None, examples_handle: str
+) -> dict:
     """Train; each out-of-memory retry halves the micro-batch (doubling accumulation), then offloads."""
-    shift = downshift_train(spec.train.micro_batch_size, spec.train.gradient_accumulation_steps,
-                            spec.lora.gradient_checkpointing, current_attempt())
+    shift = downshift_train(
+        spec.train.micro_batch_size,
+        spec.train.gradient_accumulation_steps,
+        spec.lora.gradient_checkpointing,
+        current_attempt(),
+    )
     for note in shift.notes:
         log.warning("packed_sft downshift: %s", note)
     cfg = read_config(local_model_dir(spec.model))
-    est = estimate_train(cfg, micro_batch=shift.micro_batch, seq_len=spec.data.max_seq_length,
-                         lora_r=spec.lora.r, target_modules=spec.lora.target_modules,
-                         checkpointing=shift.checkpointing)
+    est = estimate_train(
+        cfg,
+        micro_batch=shift.micro_batch,
+        seq_len=spec.data.max_seq_length,
+        lora_r=spec.lora.r,
+        target_modules=spec.lora.target_modules,
+        checkpointing=shift.checkpointing,
+    )
     with _guard("packed_sft", spec, est, shift.notes):
         if spec.train.num_gpus > 1:  # torchrun workers load, attach and train; rank 0 writes
-            return ddp.launch(spec, micro_batch_size=shift.micro_batch, gradient_accumulation_steps=shift.grad_accum,
-                              gradient_checkpointing=shift.checkpointing)
-        report = packed_sft(spec, handle, checkpointing_handle, examples_handle,
-                            micro_batch_size=shift.micro_batch, gradient_accumulation_steps=shift.grad_accum,
-                            gradient_checkpointing=shift.checkpointing)
+            return ddp.launch(
+                spec,
+                micro_batch_size=shift.micro_batch,
+                gradient_accumulation_steps=shift.grad_accum,
+                gradient_checkpointing=shift.checkpointing,
+            )
+        report = packed_sft(
+            spec,
+            handle,
+            checkpointing_handle,
+            examples_handle,
+            micro_batch_size=shift.micro_batch,
+            gradient_accumulation_steps=shift.grad_accum,
+            gradient_checkpointing=shift.checkpointing,
+        )
         return asdict(report)
 
 
@@ -142,8 +175,11 @@ def dequant_merge_task(spec: PipelineSpec, adapter_dir: str) -> dict:
     for note in shift.notes:
         log.warning("dequant_merge downshift: %s", note)
     cfg = read_config(local_model_dir(spec.model))
-    est = estimate_merge(cfg, max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9),
-                         output_dtype_bytes=_DTYPE_BYTES.get(spec.merge.output_dtype, 2))
+    est = estimate_merge(
+        cfg,
+        max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9),
+        output_dtype_bytes=_DTYPE_BYTES.get(spec.merge.output_dtype, 2),
+    )
     with _guard("dequant_merge", spec, est, shift.notes):
         return dequant_merge(spec, adapter_dir, maximum_memory_usage=shift.maximum_memory_usage).to_dict()
 

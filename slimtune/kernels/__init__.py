@@ -7,8 +7,14 @@ after `import slimtune.kernels`.
 
 from .apply import FAMILIES, KERNEL_NAMES, KernelPatch, apply_kernels, resolve_selection
 
-__all__ = ["FAMILIES", "KERNEL_NAMES", "KernelPatch", "apply_kernels", "fused_linear_cross_entropy",
-           "resolve_selection"]
+__all__ = [
+    "FAMILIES",
+    "KERNEL_NAMES",
+    "KernelPatch",
+    "apply_kernels",
+    "fused_linear_cross_entropy",
+    "resolve_selection",
+]
 
 
 def __getattr__(name: str):

@@ -34,12 +34,14 @@ def check_device(*tensors: torch.Tensor) -> None:
         if not interpreter_on():
             raise RuntimeError(
                 "slimtune Triton kernels got a CPU tensor; set TRITON_INTERPRET=1 before triton is first "
-                "imported to run them in the interpreter, or move the model to CUDA")
+                "imported to run them in the interpreter, or move the model to CUDA"
+            )
         if not _stdlib_interpreted():
             raise RuntimeError(
                 "TRITON_INTERPRET=1 was set after triton had been imported (bitsandbytes, peft and "
                 "transformers model modules import it), so Triton's own functions are not interpreted; "
-                "set it before those imports, e.g. at the top of tests/conftest.py")
+                "set it before those imports, e.g. at the top of tests/conftest.py"
+            )
 
 
 def row_block(n: int) -> tuple[int, int]:

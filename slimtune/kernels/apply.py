@@ -36,8 +36,7 @@ from ._launch import interpreter_on
 
 log = logging.getLogger("slimtune.kernels")
 
-KERNEL_NAMES: tuple[str, ...] = ("rms_norm", "rope", "swiglu", "geglu", "fused_linear_ce", "lora_nf4",
-                                 "host_embedding")
+KERNEL_NAMES: tuple[str, ...] = ("rms_norm", "rope", "swiglu", "geglu", "fused_linear_ce", "lora_nf4", "host_embedding")
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 _COMMON = ("rms_norm", "rope", "fused_linear_ce", "lora_nf4", "host_embedding")
 _FAMILY_KERNELS = {
@@ -48,8 +47,13 @@ _FAMILY_KERNELS = {
     "gemma": ("geglu", *_COMMON),
 }
 _SLIDING_WINDOW_FAMILIES = ("mistral", "qwen2", "qwen3")  # their attention passes sliding_window on
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                "gelu": "gelu"}
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu": "gelu",
+}
 
 
 @dataclass
@@ -72,8 +76,7 @@ class KernelPatch:
         self.modules.clear()
 
 
-def resolve_selection(selection: str | list[str] | tuple[str, ...], device_type: str,
-                      family: str | None) -> list[str]:
+def resolve_selection(selection: str | list[str] | tuple[str, ...], device_type: str, family: str | None) -> list[str]:
     """Kernel names to try for `selection` on `device_type` ("cuda"/"cpu") and model `family`.
 
     Raises:
@@ -92,9 +95,11 @@ def _resolve(selection, device_type: str, family: str | None) -> tuple[list[str]
             return [], ""
         if selection == "auto":
             if device_type != "cuda":
-                return [], (f"no CUDA device ({device_type}); Triton would run interpreted, thousands of "
-                            "times slower than eager. Name kernels explicitly with TRITON_INTERPRET=1 "
-                            "to force them")
+                return [], (
+                    f"no CUDA device ({device_type}); Triton would run interpreted, thousands of "
+                    "times slower than eager. Name kernels explicitly with TRITON_INTERPRET=1 "
+                    "to force them"
+                )
             if torch.cuda.is_available() and torch.cuda.get_device_capability() < (7, 0):
                 return [], f"GPU compute capability {torch.cuda.get_device_capability()} < 7.0"
             if family not in _FAMILY_KERNELS:
@@ -103,16 +108,20 @@ def _resolve(selection, device_type: str, family: str | None) -> tuple[list[str]
         selection = [s.strip() for s in selection.split(",") if s.strip()]
     unknown = [n for n in selection if n not in KERNEL_NAMES]
     if unknown:
-        raise ValueError(f"train.kernels: unknown kernel(s) {unknown}; use 'auto', 'off' or names from "
-                         f"{list(KERNEL_NAMES)}")
+        raise ValueError(
+            f"train.kernels: unknown kernel(s) {unknown}; use 'auto', 'off' or names from {list(KERNEL_NAMES)}"
+        )
     if selection and device_type != "cuda" and not interpreter_on():
-        raise ValueError(f"train.kernels: {list(selection)} need a CUDA GPU; on {device_type} set "
-                         "TRITON_INTERPRET=1 (slow, for tests) or use kernels: off")
+        raise ValueError(
+            f"train.kernels: {list(selection)} need a CUDA GPU; on {device_type} set "
+            "TRITON_INTERPRET=1 (slow, for tests) or use kernels: off"
+        )
     return list(dict.fromkeys(selection)), ""
 
 
-def apply_kernels(model: torch.nn.Module, selection: str | list[str] = "auto",
-                  exclude: dict[str, str] | None = None) -> KernelPatch:
+def apply_kernels(
+    model: torch.nn.Module, selection: str | list[str] = "auto", exclude: dict[str, str] | None = None
+) -> KernelPatch:
     """Swap Triton kernels into `model` (a transformers causal LM, optionally wrapped by peft).
 
     `exclude` maps kernel names the caller cannot use to the reason, reported in `skipped`.
@@ -138,12 +147,19 @@ def apply_kernels(model: torch.nn.Module, selection: str | list[str] = "auto",
         else:
             patch.applied.append(name)
             patch.modules[name] = result
-    log.info("kernels (%s, family %s, %s): applied %s; skipped %s", selection, family, device_type,
-             patch.modules or "none", patch.skipped or "none")
+    log.info(
+        "kernels (%s, family %s, %s): applied %s; skipped %s",
+        selection,
+        family,
+        device_type,
+        patch.modules or "none",
+        patch.skipped or "none",
+    )
     return patch
 
 
 # ---- instance patching ---------------------------------------------------------------------------
+
 
 def _replace_forward(module: torch.nn.Module, impl: Callable, patch: KernelPatch, **static) -> None:
     """Give `module` an instance forward `impl(module, original_forward, *args, **static, **kwargs)`."""
@@ -201,8 +217,9 @@ def _patch_rope(base: torch.nn.Module, family: str, patch: KernelPatch) -> int |
     eager = sys.modules[_family_module(family)].eager_attention_forward
     sliding = family in _SLIDING_WINDOW_FAMILIES
 
-    def impl(mod, original, hidden_states, position_embeddings=None, attention_mask=None,
-             past_key_values=None, **kwargs):
+    def impl(
+        mod, original, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs
+    ):
         # transformers' attention forward with RoPE done in place on the [B, T, H, D] projections
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, mod.head_dim)
@@ -224,9 +241,16 @@ def _patch_rope(base: torch.nn.Module, family: str, patch: KernelPatch) -> int |
         if sliding:
             window = getattr(mod.config, "sliding_window", None)
             kwargs["sliding_window"] = getattr(mod, "sliding_window", window)
-        out, weights = interface(mod, q, k, v, attention_mask,
-                                 dropout=0.0 if not mod.training else mod.attention_dropout,
-                                 scaling=mod.scaling, **kwargs)
+        out, weights = interface(
+            mod,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=0.0 if not mod.training else mod.attention_dropout,
+            scaling=mod.scaling,
+            **kwargs,
+        )
         return mod.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
     count = 0
@@ -242,8 +266,7 @@ def _mlp_activation(mod: torch.nn.Module, base: torch.nn.Module) -> str | None:
     return _ACTIVATIONS.get(act)
 
 
-def _patch_gated(base: torch.nn.Module, family: str, patch: KernelPatch,
-                 wanted: tuple[str, ...]) -> int | str:
+def _patch_gated(base: torch.nn.Module, family: str, patch: KernelPatch, wanted: tuple[str, ...]) -> int | str:
     from .swiglu import gated_act
 
     def impl(mod, original, x, activation):
@@ -281,27 +304,57 @@ def _patch_fused_ce(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
     if not hasattr(base, "model"):
         return "no inner .model to produce hidden states"
 
-    def impl(mod, original, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-             inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    def impl(
+        mod,
+        original,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
         shift_labels = kwargs.pop("shift_labels", None)
         if labels is None and shift_labels is None:
-            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                            logits_to_keep=logits_to_keep, **kwargs)
+            return original(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
         num_items = kwargs.pop("num_items_in_batch", None)
         kwargs.pop("return_dict", None)
-        out = mod.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                        **kwargs)
+        out = mod.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
         hidden = out.last_hidden_state
         weight = mod.lm_head.weight
         if shift_labels is not None:
-            loss = fused_linear_cross_entropy(hidden, weight, shift_labels.to(hidden.device),
-                                              num_items_in_batch=num_items)
+            loss = fused_linear_cross_entropy(
+                hidden, weight, shift_labels.to(hidden.device), num_items_in_batch=num_items
+            )
         else:
             loss = causal_lm_loss(hidden, weight, labels, num_items_in_batch=num_items)
-        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
-                                      hidden_states=out.hidden_states, attentions=out.attentions)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            past_key_values=out.past_key_values,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+        )
 
     _replace_forward(base, impl, patch)
     return 1
@@ -323,8 +376,15 @@ def _patch_lora_nf4(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
 
     def impl(mod, original, x, *args, layer_output: bool, **kwargs):
         name = mod.active_adapters[0] if len(mod.active_adapters) == 1 else None
-        fast = (not args and not kwargs and name is not None and not mod.disable_adapters and not mod.merged
-                and name in mod.lora_A and name not in getattr(mod, "lora_variant", {}))
+        fast = (
+            not args
+            and not kwargs
+            and name is not None
+            and not mod.disable_adapters
+            and not mod.merged
+            and name in mod.lora_A
+            and name not in getattr(mod, "lora_variant", {})
+        )
         if fast:
             drop = mod.lora_dropout[name]
             fast = isinstance(drop, torch.nn.Identity) or drop.p == 0 or not drop.training
@@ -332,9 +392,16 @@ def _patch_lora_nf4(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
             return original(x, *args, **kwargs)
         layer = mod.base_layer
         dtype = getattr(layer, "compute_dtype", None) or x.dtype
-        y = lora_nf4_linear(x.to(dtype), layer.weight, layer.weight.quant_state, layer.bias,
-                            mod.lora_A[name].weight, mod.lora_B[name].weight, mod.scaling[name],
-                            compute_output=not (layer_output and recomputing()))
+        y = lora_nf4_linear(
+            x.to(dtype),
+            layer.weight,
+            layer.weight.quant_state,
+            layer.bias,
+            mod.lora_A[name].weight,
+            mod.lora_B[name].weight,
+            mod.scaling[name],
+            compute_output=not (layer_output and recomputing()),
+        )
         return y.to(x.dtype)
 
     count = 0
@@ -366,7 +433,7 @@ def _patch_host_embedding(base: torch.nn.Module, family: str, patch: KernelPatch
         probe = gather_rows(host, torch.zeros(1, dtype=torch.long, device=gpu))
         if not torch.equal(probe[0], emb.weight[0].detach()):
             return "the GPU read a different row 0 from the host table than the model has"
-    except Exception as err:  # noqa: BLE001 - any failure of the probe means: not on this machine
+    except Exception as err:
         return f"host table not usable from {gpu}: {type(err).__name__}: {str(err).splitlines()[0]}"
     emb.weight = torch.nn.Parameter(host, requires_grad=False)  # the GPU copy is freed here
 

@@ -21,8 +21,7 @@ _CHUNK_BYTES_FLOOR = 32 << 20
 
 
 @triton.jit
-def _ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, inv_n_ptr, n_vocab, stride, ignore_index,
-                    BLOCK: tl.constexpr):
+def _ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, inv_n_ptr, n_vocab, stride, ignore_index, BLOCK: tl.constexpr):
     """Per row: loss = logsumexp(x) - x[label]; row overwritten with (softmax(x) - onehot(label)) / n."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
@@ -31,8 +30,9 @@ def _ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, inv_n_ptr, n_vocab, stride
     if label == ignore_index:
         for start in range(0, n_vocab, BLOCK):
             cols = start + offs
-            tl.store(base + cols, tl.zeros([BLOCK], dtype=tl.float32).to(logits_ptr.dtype.element_ty),
-                     mask=cols < n_vocab)
+            tl.store(
+                base + cols, tl.zeros([BLOCK], dtype=tl.float32).to(logits_ptr.dtype.element_ty), mask=cols < n_vocab
+            )
         tl.store(loss_ptr + row, 0.0)
     else:
         m = tl.full([], -float("inf"), tl.float32)  # typed scalars: loop-carried values keep one type
@@ -92,14 +92,22 @@ class _FusedLinearCEFn(torch.autograd.Function):
         buf = torch.empty(min(chunk, n_tok), vocab, dtype=h2.dtype, device=h2.device)
         block = min(4096 if h2.device.type == "cuda" else 1024, triton.next_power_of_2(vocab))
         for start in range(0, n_tok, chunk):
-            hc = h2[start:start + chunk]
+            hc = h2[start : start + chunk]
             logits = buf[: hc.shape[0]]
             torch.matmul(hc, w.t(), out=logits)
-            _ce_rows_kernel[(hc.shape[0],)](logits, lab[start:start + chunk].contiguous(),
-                                            losses[start:start + chunk], inv_n, vocab, logits.stride(0),
-                                            ignore_index, BLOCK=block, num_warps=8)
+            _ce_rows_kernel[(hc.shape[0],)](
+                logits,
+                lab[start : start + chunk].contiguous(),
+                losses[start : start + chunk],
+                inv_n,
+                vocab,
+                logits.stride(0),
+                ignore_index,
+                BLOCK=block,
+                num_warps=8,
+            )
             if need_dh:
-                torch.matmul(logits, w, out=dh[start:start + chunk])
+                torch.matmul(logits, w, out=dh[start : start + chunk])
             if need_dw:
                 dw += (logits.t() @ hc).float()
         del buf
@@ -116,9 +124,14 @@ class _FusedLinearCEFn(torch.autograd.Function):
         return dhidden, dweight, None, None, None, None, None
 
 
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                               ignore_index: int = -100, chunk_tokens: int | None = None,
-                               num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight^T` against `labels`, without materialising the logits.
 
     Args:
@@ -129,24 +142,34 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         num_items_in_batch: divisor for the summed loss (gradient accumulation); default the number
             of supervised tokens.
     """
-    return _FusedLinearCEFn.apply(hidden, weight, labels, ignore_index, chunk_tokens, num_items_in_batch,
-                                  torch.is_grad_enabled())
+    return _FusedLinearCEFn.apply(
+        hidden, weight, labels, ignore_index, chunk_tokens, num_items_in_batch, torch.is_grad_enabled()
+    )
 
 
-def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
-                   num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+def causal_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal-LM loss from unshifted `labels` [B, T], shifting as transformers' `ForCausalLMLoss` does."""
     shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    return fused_linear_cross_entropy(hidden, weight, shifted.to(hidden.device), ignore_index,
-                                      num_items_in_batch=num_items_in_batch)
+    return fused_linear_cross_entropy(
+        hidden, weight, shifted.to(hidden.device), ignore_index, num_items_in_batch=num_items_in_batch
+    )
 
 
-def reference_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                   ignore_index: int = -100,
-                                   num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+def reference_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
     """Full-logits version (fp32 upcast, as transformers' loss does), for tests and benchmarks."""
     logits = (hidden @ weight.to(hidden.dtype).t()).float().reshape(-1, weight.shape[0])
-    loss = torch.nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=ignore_index,
-                                             reduction="sum")
+    loss = torch.nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
     n = (labels != ignore_index).sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
     return loss / n.clamp(min=1).to(loss.device, torch.float32)

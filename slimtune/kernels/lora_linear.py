@@ -67,9 +67,16 @@ class _LoRANF4Fn(torch.autograd.Function):
         return dx, None, None, None, d_a, d_b, None, None
 
 
-def lora_nf4_linear(x: torch.Tensor, packed: torch.Tensor, quant_state, bias: torch.Tensor | None,
-                    lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-                    compute_output: bool = True) -> torch.Tensor:
+def lora_nf4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    quant_state,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+    compute_output: bool = True,
+) -> torch.Tensor:
     """`x W^T + bias + scale * (x A^T) B^T` with W an NF4 weight; gradients for x, A and B only.
 
     Args:
@@ -84,8 +91,15 @@ def lora_nf4_linear(x: torch.Tensor, packed: torch.Tensor, quant_state, bias: to
     return _LoRANF4Fn.apply(x, packed, quant_state, bias, lora_a, lora_b, scale, compute_output)
 
 
-def reference_lora_nf4_linear(x: torch.Tensor, packed: torch.Tensor, quant_state, bias: torch.Tensor | None,
-                              lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+def reference_lora_nf4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    quant_state,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """bitsandbytes dequantization plus plain autograd matmuls; LoRA in the adapters' dtype, as in peft."""
     import bitsandbytes.functional as bnbf
 

@@ -35,14 +35,23 @@ def _absmax_kernel(q_ptr, code2_ptr, absmax2_ptr, out_ptr, n, BLOCK2: tl.constex
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
-    scale = tl.load(code2_ptr + q, mask=mask, other=0.0) * tl.load(absmax2_ptr + offs // BLOCK2, mask=mask,
-                                                                   other=0.0)
+    scale = tl.load(code2_ptr + q, mask=mask, other=0.0) * tl.load(absmax2_ptr + offs // BLOCK2, mask=mask, other=0.0)
     tl.store(out_ptr + offs, scale, mask=mask)
 
 
 @triton.jit
-def _nf4_kernel(packed_ptr, absmax_ptr, code_ptr, out_ptr, n_out, offset_ptr,
-                BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _nf4_kernel(
+    packed_ptr,
+    absmax_ptr,
+    code_ptr,
+    out_ptr,
+    n_out,
+    offset_ptr,
+    BLOCKSIZE: tl.constexpr,
+    NESTED: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     byte = pid * BLOCK + tl.arange(0, BLOCK)
     bmask = byte * 2 < n_out
@@ -71,9 +80,9 @@ def _absmax_fp32(quant_state) -> tuple[torch.Tensor, torch.Tensor, bool]:
     state2 = quant_state.state2
     out = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
     block = 1024
-    _absmax_kernel[(triton.cdiv(q.numel(), block),)](q, state2.code.to(q.device), state2.absmax, out,
-                                                     q.numel(), BLOCK2=state2.blocksize, BLOCK=block,
-                                                     num_warps=4)
+    _absmax_kernel[(triton.cdiv(q.numel(), block),)](
+        q, state2.code.to(q.device), state2.absmax, out, q.numel(), BLOCK2=state2.blocksize, BLOCK=block, num_warps=4
+    )
     offset = torch.as_tensor(quant_state.offset, dtype=torch.float32, device=q.device)
     return out, offset, True
 
@@ -102,14 +111,23 @@ def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None =
     per_program = _BYTES_PER_PROGRAM if packed.device.type == "cuda" else _BYTES_PER_PROGRAM_INTERPRETED
     grid = (triton.cdiv(n_out, 2 * per_program),)
     bf16 = out.dtype == torch.bfloat16
-    _nf4_kernel[grid](packed, absmax, quant_state.code.to(packed.device, torch.float32),
-                      out.view(torch.int16) if bf16 else out, n_out, offset, BLOCKSIZE=quant_state.blocksize,
-                      NESTED=nested, BF16_BITS=bf16, BLOCK=per_program, num_warps=4)
+    _nf4_kernel[grid](
+        packed,
+        absmax,
+        quant_state.code.to(packed.device, torch.float32),
+        out.view(torch.int16) if bf16 else out,
+        n_out,
+        offset,
+        BLOCKSIZE=quant_state.blocksize,
+        NESTED=nested,
+        BF16_BITS=bf16,
+        BLOCK=per_program,
+        num_warps=4,
+    )
     return out
 
 
-def dequantize_nf4_scratch(packed: torch.Tensor, quant_state,
-                           dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize_nf4_scratch(packed: torch.Tensor, quant_state, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Dequantize into the shared scratch buffer for (device, dtype) and return a view of it.
 
     The view is valid until the next call on the same device and dtype: use it for one matmul and

@@ -20,8 +20,19 @@ from ._rounding import bf16_rtne
 
 
 @triton.jit
-def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, x_stride, y_stride, eps,
-                    GEMMA: tl.constexpr, X_BF16: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    rstd_ptr,
+    n_cols,
+    x_stride,
+    y_stride,
+    eps,
+    GEMMA: tl.constexpr,
+    X_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -42,9 +53,23 @@ def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, x_stride, y_stride, e
 
 
 @triton.jit
-def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, n_rows, n_cols,
-                    dy_stride, x_stride, dx_stride, rows_per_program,
-                    GEMMA: tl.constexpr, NEED_DW: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_part_ptr,
+    n_rows,
+    n_cols,
+    dy_stride,
+    x_stride,
+    dx_stride,
+    rows_per_program,
+    GEMMA: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -84,9 +109,20 @@ class _RMSNormFn(torch.autograd.Function):
         y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         block, warps = row_block(x2.shape[1])
-        _rms_fwd_kernel[(x2.shape[0],)](x2, weight, y, rstd, x2.shape[1], x2.stride(0), x2.shape[1], eps,
-                                        GEMMA=gemma, X_BF16=x.dtype == torch.bfloat16,
-                                        BLOCK=block, num_warps=warps)
+        _rms_fwd_kernel[(x2.shape[0],)](
+            x2,
+            weight,
+            y,
+            rstd,
+            x2.shape[1],
+            x2.stride(0),
+            x2.shape[1],
+            eps,
+            GEMMA=gemma,
+            X_BF16=x.dtype == torch.bfloat16,
+            BLOCK=block,
+            num_warps=warps,
+        )
         ctx.save_for_backward(x2, weight, rstd)
         ctx.gemma, ctx.shape = gemma, x.shape
         return y
@@ -101,12 +137,28 @@ class _RMSNormFn(torch.autograd.Function):
         programs = program_count(x2.device, n_rows)
         rows_per_program = triton.cdiv(n_rows, programs)
         programs = triton.cdiv(n_rows, rows_per_program)
-        dw_part = (torch.empty(programs, n_cols, dtype=torch.float32, device=x2.device) if need_dw
-                   else rstd)  # placeholder pointer, never written when NEED_DW is False
+        dw_part = (
+            torch.empty(programs, n_cols, dtype=torch.float32, device=x2.device) if need_dw else rstd
+        )  # placeholder pointer, never written when NEED_DW is False
         block, warps = row_block(n_cols)
-        _rms_bwd_kernel[(programs,)](dy2, x2, weight, rstd, dx, dw_part, n_rows, n_cols,
-                                     dy2.stride(0), x2.stride(0), dx.stride(0), rows_per_program,
-                                     GEMMA=ctx.gemma, NEED_DW=need_dw, BLOCK=block, num_warps=warps)
+        _rms_bwd_kernel[(programs,)](
+            dy2,
+            x2,
+            weight,
+            rstd,
+            dx,
+            dw_part,
+            n_rows,
+            n_cols,
+            dy2.stride(0),
+            x2.stride(0),
+            dx.stride(0),
+            rows_per_program,
+            GEMMA=ctx.gemma,
+            NEED_DW=need_dw,
+            BLOCK=block,
+            num_warps=warps,
+        )
         dw = dw_part.sum(0).to(weight.dtype) if need_dw else None
         return dx.view(ctx.shape), dw, None, None
 
@@ -116,8 +168,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = Fa
     return _RMSNormFn.apply(x, weight, eps, gemma)
 
 
-def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                       gemma: bool = False) -> torch.Tensor:
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
     """Plain-torch RMSNorm, written as in transformers' Llama and Gemma modules."""
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

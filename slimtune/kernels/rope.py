@@ -22,10 +22,25 @@ from ._launch import check_device
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, seq_len, n_heads,
-                 x_stride_b, x_stride_t, x_stride_h, cs_stride_b, cs_stride_t, pos_stride_b,
-                 sign, HALF: tl.constexpr, HAS_POS: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    seq_len,
+    n_heads,
+    x_stride_b,
+    x_stride_t,
+    x_stride_h,
+    cs_stride_b,
+    cs_stride_t,
+    pos_stride_b,
+    sign,
+    HALF: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     token = tl.program_id(0)
     b = token // seq_len
     t = token % seq_len
@@ -50,8 +65,9 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, seq_len, n_heads,
     tl.store(base + offs + HALF, y2.to(x_ptr.dtype.element_ty), mask=mask)
 
 
-def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None,
-             sign: float) -> None:
+def _rotate_(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None, sign: float
+) -> None:
     """Rotate `x` [B, T, H, D] (last dim contiguous) in place."""
     check_device(x)
     bsz, seq, heads, dim = x.shape
@@ -69,10 +85,26 @@ def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
         return _rotate_(x, cos, sin, position_ids, sign)
-    _rope_kernel[(bsz * seq,)](x, cos, sin, pos, seq, heads, x.stride(0), x.stride(1), x.stride(2),
-                               cs_stride_b, cs_stride_t, pos_stride, sign, HALF=dim // 2,
-                               HAS_POS=position_ids is not None, BLOCK_H=triton.next_power_of_2(heads),
-                               BLOCK_D=triton.next_power_of_2(dim // 2), num_warps=4)
+    _rope_kernel[(bsz * seq,)](
+        x,
+        cos,
+        sin,
+        pos,
+        seq,
+        heads,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        cs_stride_b,
+        cs_stride_t,
+        pos_stride,
+        sign,
+        HALF=dim // 2,
+        HAS_POS=position_ids is not None,
+        BLOCK_H=triton.next_power_of_2(heads),
+        BLOCK_D=triton.next_power_of_2(dim // 2),
+        num_warps=4,
+    )
 
 
 class _RopeFn(torch.autograd.Function):
@@ -94,8 +126,9 @@ class _RopeFn(torch.autograd.Function):
         return dx, None, None, None
 
 
-def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-          position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [B, T, Hq, D] and k [B, T, Hk, D] in place and return them.
 
     Args:
@@ -107,8 +140,9 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return _RopeFn.apply(q, cos, sin, position_ids), _RopeFn.apply(k, cos, sin, position_ids)
 
 
-def reference_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Out-of-place RoPE as transformers computes it, in the same [B, T, H, D] layout."""
     if position_ids is not None:
         cos, sin = cos[position_ids], sin[position_ids]

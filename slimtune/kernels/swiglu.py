@@ -102,13 +102,13 @@ class _GatedFn(torch.autograd.Function):
             dg, du = gate, up  # each element is read before the same program overwrites it
         else:
             dg, du = torch.empty_like(gate), torch.empty_like(up)
-        _glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dh, gate, up, dg, du, n, ACT=ctx.act, BLOCK=_BLOCK,
-                                                   num_warps=4)
+        _glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dh, gate, up, dg, du, n, ACT=ctx.act, BLOCK=_BLOCK, num_warps=4)
         return dg, du, None, None
 
 
-def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu",
-              inplace_backward: bool = False) -> torch.Tensor:
+def gated_act(
+    gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", inplace_backward: bool = False
+) -> torch.Tensor:
     """`act(gate) * up` in one kernel; `activation` is "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU).
 
     `inplace_backward=True` writes the gradients over `gate` and `up` instead of two new buffers: for

@@ -51,8 +51,9 @@ class CheckpointingHandle(AbstractContextManager["CheckpointingHandle"]):
         offloading: True only for "unsloth" on a CUDA model, where layer inputs really go to the host.
     """
 
-    def __init__(self, mode: Mode, offloading: bool, offloader: ActivationOffloader | None,
-                 undo_steps: list[Callable[[], None]]) -> None:
+    def __init__(
+        self, mode: Mode, offloading: bool, offloader: ActivationOffloader | None, undo_steps: list[Callable[[], None]]
+    ) -> None:
         self.mode = mode
         self.offloading = offloading
         self._offloader = offloader
@@ -98,16 +99,19 @@ def enable_checkpointing(model: nn.Module, mode: Mode) -> CheckpointingHandle:
     return _enable(model, mode)
 
 
-def _enable(model: nn.Module, mode: Mode, offload_min_bytes: int | None = None,
-            offload_on_cpu: bool = False) -> CheckpointingHandle:
+def _enable(
+    model: nn.Module, mode: Mode, offload_min_bytes: int | None = None, offload_on_cpu: bool = False
+) -> CheckpointingHandle:
     """`enable_checkpointing`, with the offload threshold and a CPU offload switch open to tests."""
     if not (mode is False or mode is True or mode == "unsloth"):
         raise ValueError(f'lora.gradient_checkpointing must be false, true or "unsloth"; got {mode!r}')
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = _decoder_layers(base)
     if any(getattr(layer.__dict__.get("forward"), "_slimtune_checkpointing", False) for layer in layers):
-        raise ValueError("gradient checkpointing is already enabled on this model; "
-                         "call undo() on the first handle before enabling it again")
+        raise ValueError(
+            "gradient checkpointing is already enabled on this model; "
+            "call undo() on the first handle before enabling it again"
+        )
     undo: list[Callable[[], None]] = []
     config = getattr(base, "config", None)
     if config is not None and getattr(config, "use_cache", None):
@@ -133,13 +137,16 @@ def _decoder_layers(base: nn.Module) -> nn.ModuleList:
     inner = getattr(base, "model", base)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise ValueError(f"gradient checkpointing: cannot find the decoder layers of {type(base).__name__}; "
-                         f"supported: {_SUPPORTED}. Set lora.gradient_checkpointing: false for this model.")
+        raise ValueError(
+            f"gradient checkpointing: cannot find the decoder layers of {type(base).__name__}; "
+            f"supported: {_SUPPORTED}. Set lora.gradient_checkpointing: false for this model."
+        )
     return layers
 
 
-def _patch_layer(layer: nn.Module, idx: int, is_last: bool, mode: Mode,
-                 offloader: ActivationOffloader | None) -> Callable[[], None]:
+def _patch_layer(
+    layer: nn.Module, idx: int, is_last: bool, mode: Mode, offloader: ActivationOffloader | None
+) -> Callable[[], None]:
     """Replace `layer.forward` on the instance; return the function that puts it back."""
     previous = layer.__dict__.get("forward", _MISSING)
     inner = layer.forward  # the class forward, or an instance hook (accelerate) that we then wrap
@@ -170,8 +177,10 @@ def _patch_layer(layer: nn.Module, idx: int, is_last: bool, mode: Mode,
 
     def restore() -> None:
         if layer.__dict__.get("forward") is not forward:
-            raise RuntimeError(f"decoder layer {idx}'s forward was replaced after enable_checkpointing; "
-                               "undo that patch first (patches come off in reverse order)")
+            raise RuntimeError(
+                f"decoder layer {idx}'s forward was replaced after enable_checkpointing; "
+                "undo that patch first (patches come off in reverse order)"
+            )
         if previous is _MISSING:
             del layer.forward
         else:
@@ -182,8 +191,7 @@ def _patch_layer(layer: nn.Module, idx: int, is_last: bool, mode: Mode,
     return restore
 
 
-def _call(inner: Callable[..., Any], rest: tuple[Any, ...], kwargs: dict[str, Any],
-          hidden: torch.Tensor) -> Any:
+def _call(inner: Callable[..., Any], rest: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Tensor) -> Any:
     return inner(hidden, *rest, **kwargs)
 
 
@@ -193,24 +201,37 @@ def _check_frozen_extras(rest: tuple[Any, ...], kwargs: dict[str, Any], layer_na
     for name, value in items:
         for t in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                raise ValueError(f'gradient_checkpointing "unsloth": {layer_name} input {name} requires '
-                                 "grad, which the recompute cannot propagate; "
-                                 "use gradient_checkpointing: true")
+                raise ValueError(
+                    f'gradient_checkpointing "unsloth": {layer_name} input {name} requires '
+                    "grad, which the recompute cannot propagate; "
+                    "use gradient_checkpointing: true"
+                )
 
 
 class _RecomputedLayer(torch.autograd.Function):
     """Run a decoder layer without saving activations; recompute it from its (offloaded) input in backward."""
 
     @staticmethod
-    def forward(ctx: Any, run: Callable[[torch.Tensor], Any], offloader: ActivationOffloader | None,
-                idx: int, offload: bool, hidden: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        run: Callable[[torch.Tensor], Any],
+        offloader: ActivationOffloader | None,
+        idx: int,
+        offload: bool,
+        hidden: torch.Tensor,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
         device = hidden.device
         ctx.run = run
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         # Autocast is thread-local and the backward runs on autograd's thread: carry it over by hand.
-        ctx.autocast = (device.type, torch.is_autocast_enabled(device.type),
-                        torch.get_autocast_dtype(device.type), torch.is_autocast_cache_enabled())
+        ctx.autocast = (
+            device.type,
+            torch.is_autocast_enabled(device.type),
+            torch.get_autocast_dtype(device.type),
+            torch.is_autocast_cache_enabled(),
+        )
         ctx.offloader = offloader
         if offloader is not None:
             ctx.slot = offloader.save(hidden, idx, offload)
@@ -219,8 +240,10 @@ class _RecomputedLayer(torch.autograd.Function):
         ctx.save_for_backward(*params)
         out = run(hidden)
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"gradient_checkpointing \"unsloth\" expects decoder layers to return a tensor, "
-                            f"got {type(out).__name__}; use gradient_checkpointing: true for this model")
+            raise TypeError(
+                f'gradient_checkpointing "unsloth" expects decoder layers to return a tensor, '
+                f"got {type(out).__name__}; use gradient_checkpointing: true for this model"
+            )
         return out
 
     @staticmethod
@@ -233,8 +256,11 @@ class _RecomputedLayer(torch.autograd.Function):
         hidden = saved.detach().requires_grad_(ctx.needs_input_grad[4])
         device_type, enabled, dtype, cache = ctx.autocast
         cuda = [hidden.device] if ctx.cuda_rng is not None else []
-        with torch.random.fork_rng(devices=cuda, device_type="cuda"), torch.enable_grad(), \
-                torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+        with (
+            torch.random.fork_rng(devices=cuda, device_type="cuda"),
+            torch.enable_grad(),
+            torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache),
+        ):
             # Same RNG as the forward, so dropout draws the same masks; fork_rng puts the outer state back.
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:

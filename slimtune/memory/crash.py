@@ -61,9 +61,7 @@ def resubmit_on_crash(
             logger.warning("flow run %s crashed but has no deployment to re-submit", flow_run.name)
             return
         if only_killed and not _killed(state.message):
-            logger.warning(
-                "flow run %s crashed without SIGKILL (%s); not re-submitting", flow_run.name, state.message
-            )
+            logger.warning("flow run %s crashed without SIGKILL (%s); not re-submitting", flow_run.name, state.message)
             return
         done = _resubmits(list(flow_run.tags or []))
         if done >= max_resubmits:
@@ -75,9 +73,7 @@ def resubmit_on_crash(
             return
         from prefect.deployments import run_deployment
 
-        tags = [t for t in (flow_run.tags or []) if not t.startswith(_TAG_PREFIX)] + [
-            f"{_TAG_PREFIX}{done + 1}"
-        ]
+        tags = [t for t in (flow_run.tags or []) if not t.startswith(_TAG_PREFIX)] + [f"{_TAG_PREFIX}{done + 1}"]
         new_run = run_deployment(
             name=flow_run.deployment_id,
             parameters=parameters,

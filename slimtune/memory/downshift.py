@@ -63,9 +63,7 @@ def downshift_train(micro_batch: int, grad_accum: int, checkpointing: bool | str
         DownshiftExhausted: With advice on what to change in the spec.
     """
     if micro_batch < 1 or grad_accum < 1 or attempt < 1:
-        raise ValueError(
-            f"micro_batch {micro_batch}, grad_accum {grad_accum} and attempt {attempt} must all be >= 1"
-        )
+        raise ValueError(f"micro_batch {micro_batch}, grad_accum {grad_accum} and attempt {attempt} must all be >= 1")
     notes: list[str] = []
     for step in range(2, attempt + 1):
         if micro_batch > 1:
@@ -111,9 +109,7 @@ def downshift_merge(maximum_memory_usage: float, attempt: int) -> MergeShift:
                 "or merge on a machine with more memory."
             )
         lowered = round(max(value - _MERGE_STEP, _MERGE_FLOOR), 2)
-        notes.append(
-            f"attempt {step}: maximum_memory_usage {value:.2f} -> {lowered:.2f} (more spilled to disk)"
-        )
+        notes.append(f"attempt {step}: maximum_memory_usage {value:.2f} -> {lowered:.2f} (more spilled to disk)")
         value = lowered
     return MergeShift(value, tuple(notes))
 

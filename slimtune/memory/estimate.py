@@ -196,9 +196,7 @@ def _prefixed(prefix: str, terms: dict[str, int]) -> dict[str, int]:
     return {f"{prefix}{k}": v for k, v in terms.items()}
 
 
-def _estimate(
-    gpu: dict[str, int], host: dict[str, int], disk: dict[str, int], fields: dict[str, str]
-) -> Estimate:
+def _estimate(gpu: dict[str, int], host: dict[str, int], disk: dict[str, int], fields: dict[str, str]) -> Estimate:
     return Estimate(
         gpu_bytes=sum(gpu.values()),
         host_bytes=sum(host.values()),
@@ -208,9 +206,7 @@ def _estimate(
     )
 
 
-def estimate_load_4bit(
-    cfg: dict[str, Any], compute_dtype_bytes: int, *, double_quant: bool = True
-) -> Estimate:
+def estimate_load_4bit(cfg: dict[str, Any], compute_dtype_bytes: int, *, double_quant: bool = True) -> Estimate:
     """Memory to hold the model in NF4 with 16-bit embeddings, lm_head and norms.
 
     Llama-3.1-8B: 224 linears of 6.98e9 weights at 0.516 bytes (3.60 GB) plus 2 x 1.05 GB of
@@ -242,9 +238,7 @@ def _targets(shape: _Shape, target_modules: list[str] | tuple[str, ...] | str) -
     return list(dict.fromkeys(target_modules))
 
 
-def _activation_bytes_per_token_layer(
-    shape: _Shape, dtype_bytes: int, targets: list[str], lora_r: int
-) -> int:
+def _activation_bytes_per_token_layer(shape: _Shape, dtype_bytes: int, targets: list[str], lora_r: int) -> int:
     """Bytes autograd keeps per token for one decoder layer of a QLoRA model without checkpointing.
 
     Counted from what each op saves for backward under bf16 autocast with float32 adapters (peft's
@@ -309,9 +303,7 @@ def estimate_train(
         gpu["activations of one recomputed layer"] = tokens * per_layer
         host["offloaded layer inputs (pinned)"] = tokens * shape.layers * layer_input
     else:
-        raise ValueError(
-            f"lora.gradient_checkpointing is {checkpointing!r}; use false, true, 'standard' or 'unsloth'"
-        )
+        raise ValueError(f"lora.gradient_checkpointing is {checkpointing!r}; use false, true, 'standard' or 'unsloth'")
 
     # Logits per token: the bf16 lm_head output, its float32 upcast in the loss, the saved
     # log-softmax, and its float32 gradient at the start of backward (2 + 4 + 4 + 4 bytes, minus

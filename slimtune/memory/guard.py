@@ -100,18 +100,14 @@ def preflight(
     checks: list[tuple[str, int, int, str, str, str]] = []
     if dev.type == "cuda":
         free, where = _gpu_free(dev, budget_bytes)
-        checks.append(
-            ("GPU memory", est.gpu_bytes, free, where, est.top_terms("gpu: "), gpu_field or "the budget")
-        )
+        checks.append(("GPU memory", est.gpu_bytes, free, where, est.top_terms("gpu: "), gpu_field or "the budget"))
         host_need, host_terms = est.host_bytes, est.top_terms("host: ")
     else:
         host_need = est.host_bytes + est.gpu_bytes
         host_terms = ", ".join(t for t in (est.top_terms("gpu: "), est.top_terms("host: ")) if t)
         host_field = " or ".join(dict.fromkeys(f for f in (gpu_field, host_field) if f))
     available = psutil.virtual_memory().available
-    checks.append(
-        ("host memory", host_need, available, "(psutil available)", host_terms, host_field or "host memory")
-    )
+    checks.append(("host memory", host_need, available, "(psutil available)", host_terms, host_field or "host memory"))
     if disk_path is not None and est.disk_bytes > 0:
         checks.append(
             (
@@ -134,9 +130,7 @@ def max_memory_with_headroom(device: str) -> dict[int | str, int]:
     limits: dict[int | str, int] = {"cpu": int(psutil.virtual_memory().available * _LOAD_HEADROOM)}
     if dev.type == "cuda":
         free, _total = torch.cuda.mem_get_info(dev)
-        limits[dev.index if dev.index is not None else torch.cuda.current_device()] = int(
-            free * _LOAD_HEADROOM
-        )
+        limits[dev.index if dev.index is not None else torch.cuda.current_device()] = int(free * _LOAD_HEADROOM)
     return limits
 
 

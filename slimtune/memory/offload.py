@@ -42,8 +42,7 @@ class OffloadStats:
 class _Slot:
     """One saved layer input: either kept as is (`kept`) or parked in a host buffer until fetched."""
 
-    __slots__ = ("idx", "prev", "kept", "host", "nbytes", "shape", "dtype", "device", "gpu", "event",
-                 "__weakref__")
+    __slots__ = ("idx", "prev", "kept", "host", "nbytes", "shape", "dtype", "device", "gpu", "event", "__weakref__")
 
     def __init__(self, idx: int, prev: _Slot | None) -> None:
         self.idx = idx
@@ -87,9 +86,11 @@ class ActivationOffloader:
 
     def stats(self) -> OffloadStats:
         """Bytes offloaded in the last forward pass, host buffer bytes alive, and the fallback flag."""
-        return OffloadStats(offloaded_bytes_per_step=sum(self._step_bytes.values()),
-                            host_buffer_bytes=sum(b.numel() for b in self._buffers),
-                            pageable_fallback=self._pageable)
+        return OffloadStats(
+            offloaded_bytes_per_step=sum(self._step_bytes.values()),
+            host_buffer_bytes=sum(b.numel() for b in self._buffers),
+            pageable_fallback=self._pageable,
+        )
 
     def release(self) -> None:
         """Drop the pooled buffers (in-flight slots keep theirs until their backward has run)."""
@@ -157,10 +158,10 @@ class ActivationOffloader:
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(slot.device))
             with torch.cuda.stream(self._stream):
-                flat.copy_(slot.host[:slot.nbytes], non_blocking=not self._pageable)
+                flat.copy_(slot.host[: slot.nbytes], non_blocking=not self._pageable)
                 slot.event = self._stream.record_event()
         else:
-            flat.copy_(slot.host[:slot.nbytes])
+            flat.copy_(slot.host[: slot.nbytes])
         slot.gpu = dst
         self._free.setdefault(slot.idx, []).append(slot.host)
         slot.host = None
@@ -185,6 +186,9 @@ class ActivationOffloader:
                 # Known on WSL and small hosts (locked-memory limits): pageable memory still works,
                 # only slower, which beats surfacing this as a misleading CUDA out-of-memory error.
                 self._pageable = True
-                log.warning("offloaded checkpointing: pinned host memory unavailable (%s); using pageable "
-                            "memory, copies will be slower", str(err).splitlines()[0])
+                log.warning(
+                    "offloaded checkpointing: pinned host memory unavailable (%s); using pageable "
+                    "memory, copies will be slower",
+                    str(err).splitlines()[0],
+                )
         return torch.empty(nbytes, dtype=torch.uint8)

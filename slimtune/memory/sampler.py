@@ -15,10 +15,10 @@ from __future__ import annotations
 import threading
 import time
 from types import TracebackType
+from typing import Self
 
 import psutil
 import torch
-from typing import Self
 
 # Wait at least this many times the last sample's cost, so sampling stays under 1 / 200 = 0.5% of wall time.
 _COST_FACTOR = 200
@@ -65,9 +65,7 @@ class PeakSampler:
         rss = self._process.memory_info().rss
         self.peak_host_rss = max(self.peak_host_rss, rss)
         if self._cuda:
-            self.peak_gpu_allocated = max(
-                self.peak_gpu_allocated or 0, torch.cuda.memory_allocated(self.device)
-            )
+            self.peak_gpu_allocated = max(self.peak_gpu_allocated or 0, torch.cuda.memory_allocated(self.device))
             self.peak_gpu_reserved = max(self.peak_gpu_reserved or 0, torch.cuda.memory_reserved(self.device))
         if self._nvml is not None:
             self.peak_device_used = max(self.peak_device_used or 0, self._nvml())
@@ -106,9 +104,5 @@ class PeakSampler:
         self.elapsed = time.perf_counter() - self._started
         if self._cuda:
             # The allocator's own high-water marks catch spikes shorter than the sampling interval.
-            self.peak_gpu_allocated = max(
-                self.peak_gpu_allocated or 0, torch.cuda.max_memory_allocated(self.device)
-            )
-            self.peak_gpu_reserved = max(
-                self.peak_gpu_reserved or 0, torch.cuda.max_memory_reserved(self.device)
-            )
+            self.peak_gpu_allocated = max(self.peak_gpu_allocated or 0, torch.cuda.max_memory_allocated(self.device))
+            self.peak_gpu_reserved = max(self.peak_gpu_reserved or 0, torch.cuda.max_memory_reserved(self.device))

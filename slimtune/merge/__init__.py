@@ -12,5 +12,4 @@ temporary directory with a manifest of hashes and renamed when complete; a verif
 from .errors import AdapterMismatchError, AlreadyMergedError, DiskSpaceError, MergeError
 from .run import MergeReport, merge_adapter
 
-__all__ = ["AdapterMismatchError", "AlreadyMergedError", "DiskSpaceError", "MergeError", "MergeReport",
-           "merge_adapter"]
+__all__ = ["AdapterMismatchError", "AlreadyMergedError", "DiskSpaceError", "MergeError", "MergeReport", "merge_adapter"]

@@ -66,15 +66,21 @@ def load_adapter(adapter_dir: Path) -> Adapter:
     """Load the adapter's factors (kept in their saved dtype, moved to fp32 when used) and its scalings."""
     missing = [n for n in ADAPTER_FILES if not (adapter_dir / n).is_file()]
     if missing:
-        raise AdapterMismatchError(f"adapter dir {adapter_dir} lacks {', '.join(missing)}; pass the "
-                                   "directory written by peft's save_pretrained")
+        raise AdapterMismatchError(
+            f"adapter dir {adapter_dir} lacks {', '.join(missing)}; pass the "
+            "directory written by peft's save_pretrained"
+        )
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterMismatchError(f"{adapter_dir}/adapter_config.json: peft_type {cfg.get('peft_type')!r} "
-                                   "cannot be merged here; only LoRA adapters are supported")
+        raise AdapterMismatchError(
+            f"{adapter_dir}/adapter_config.json: peft_type {cfg.get('peft_type')!r} "
+            "cannot be merged here; only LoRA adapters are supported"
+        )
     if cfg.get("use_dora") or cfg.get("lora_bias"):
-        raise AdapterMismatchError(f"{adapter_dir}/adapter_config.json: DoRA and lora_bias adapters are not "
-                                   "supported by this merge; train with use_dora=false, lora_bias=false")
+        raise AdapterMismatchError(
+            f"{adapter_dir}/adapter_config.json: DoRA and lora_bias adapters are not "
+            "supported by this merge; train with use_dora=false, lora_bias=false"
+        )
     tensors = load_file(adapter_dir / "adapter_model.safetensors")
     halves: dict[str, dict[str, torch.Tensor]] = {}
     kinds: dict[str, bool] = {}
@@ -86,14 +92,17 @@ def load_adapter(adapter_dir: Path) -> Adapter:
             halves.setdefault(m["module"], {})[m["ab"]] = value
             kinds[m["module"]] = bool(m["kind"])
         elif ".lora_" in name or not name.endswith((".weight", ".bias")):
-            raise AdapterMismatchError(f"{adapter_dir}/adapter_model.safetensors: tensor {key!r} is neither "
-                                       "a LoRA factor nor a modules_to_save copy; this merge cannot apply it")
+            raise AdapterMismatchError(
+                f"{adapter_dir}/adapter_model.safetensors: tensor {key!r} is neither "
+                "a LoRA factor nor a modules_to_save copy; this merge cannot apply it"
+            )
         else:
             adapter.replacements[name] = value
     for module, ab in halves.items():
         if set(ab) != {"A", "B"}:
-            raise AdapterMismatchError(f"{adapter_dir}: {module} has lora_{next(iter(ab))} but not its "
-                                       "partner; the adapter file is incomplete")
+            raise AdapterMismatchError(
+                f"{adapter_dir}: {module} has lora_{next(iter(ab))} but not its partner; the adapter file is incomplete"
+            )
         rank = ab["A"].shape[0]
         alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, cfg["lora_alpha"])
         scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
@@ -110,15 +119,17 @@ def check_against_base(adapter: Adapter, base: dict[str, TensorEntry]) -> None:
         if entry is None:
             problems.append(f"LoRA targets {name} but the base checkpoint has no such tensor")
         elif entry.shape != f.shape:
-            problems.append(f"{name}: base shape {tuple(entry.shape)} but the LoRA delta is {f.shape} "
-                            f"(lora_B {tuple(f.b.shape)} @ lora_A {tuple(f.a.shape)})")
+            problems.append(
+                f"{name}: base shape {tuple(entry.shape)} but the LoRA delta is {f.shape} "
+                f"(lora_B {tuple(f.b.shape)} @ lora_A {tuple(f.a.shape)})"
+            )
     for name, t in adapter.replacements.items():
         entry = base.get(name)
         if entry is None:
             problems.append(f"modules_to_save copy {name} has no tensor of that name in the base checkpoint")
         elif entry.shape != tuple(t.shape):
-            problems.append(f"{name}: base shape {tuple(entry.shape)} but the adapter's copy is "
-                            f"{tuple(t.shape)}")
+            problems.append(f"{name}: base shape {tuple(entry.shape)} but the adapter's copy is {tuple(t.shape)}")
     if problems:
-        raise AdapterMismatchError("the adapter does not fit this base model (was it trained on another "
-                                   "model?):\n  " + "\n  ".join(problems))
+        raise AdapterMismatchError(
+            "the adapter does not fit this base model (was it trained on another model?):\n  " + "\n  ".join(problems)
+        )

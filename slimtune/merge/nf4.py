@@ -14,8 +14,13 @@ from pathlib import Path
 
 import torch
 
-_STORAGE = {"uint8": torch.uint8, "int8": torch.int8, "float16": torch.float16, "bfloat16": torch.bfloat16,
-            "float32": torch.float32}
+_STORAGE = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
 _FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -37,8 +42,9 @@ class QuantSpec:
         d = dict(d or {})
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"merge quant: unknown keys {sorted(unknown)}; accepted: "
-                             f"{sorted(cls.__dataclass_fields__)}")
+            raise ValueError(
+                f"merge quant: unknown keys {sorted(unknown)}; accepted: {sorted(cls.__dataclass_fields__)}"
+            )
         for key in ("dtype", "quant_storage"):
             if isinstance(d.get(key), torch.dtype):
                 d[key] = str(d[key]).removeprefix("torch.")
@@ -48,8 +54,7 @@ class QuantSpec:
         if spec.dtype is not None and spec.dtype not in _FLOATS:
             raise ValueError(f"merge quant.dtype {spec.dtype!r}: use one of {sorted(_FLOATS)}")
         if spec.quant_storage not in _STORAGE:
-            raise ValueError(f"merge quant.quant_storage {spec.quant_storage!r}: use one of "
-                             f"{sorted(_STORAGE)}")
+            raise ValueError(f"merge quant.quant_storage {spec.quant_storage!r}: use one of {sorted(_STORAGE)}")
         return spec
 
     def as_json(self) -> dict:
@@ -64,15 +69,18 @@ def quantized_tensor_names(base_dir: Path, spec: QuantSpec) -> set[str]:
     from transformers.integrations import replace_with_bnb_linear
     from transformers.quantizers import AutoHfQuantizer
 
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=spec.quant_type,
-                            bnb_4bit_use_double_quant=spec.compress_statistics,
-                            llm_int8_skip_modules=list(spec.skip_modules) or None)
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=spec.quant_type,
+        bnb_4bit_use_double_quant=spec.compress_statistics,
+        llm_int8_skip_modules=list(spec.skip_modules) or None,
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
     skip = AutoHfQuantizer.from_config(qc).get_modules_to_not_convert(
-        model, qc.llm_int8_skip_modules, model._keep_in_fp32_modules)
-    model = replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=qc,
-                                    pre_quantized=False)
+        model, qc.llm_int8_skip_modules, model._keep_in_fp32_modules
+    )
+    model = replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=qc, pre_quantized=False)
     return {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
 
 
@@ -82,8 +90,11 @@ def roundtrip(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
     if spec.dtype is not None:
         w = w.to(_FLOATS[spec.dtype])
-    packed, state = bf.quantize_4bit(w.contiguous(), blocksize=spec.blocksize,
-                                     compress_statistics=spec.compress_statistics, quant_type=spec.quant_type,
-                                     quant_storage=_STORAGE[spec.quant_storage])
+    packed, state = bf.quantize_4bit(
+        w.contiguous(),
+        blocksize=spec.blocksize,
+        compress_statistics=spec.compress_statistics,
+        quant_type=spec.quant_type,
+        quant_storage=_STORAGE[spec.quant_storage],
+    )
     return bf.dequantize_4bit(packed, state)
-

@@ -26,19 +26,28 @@ class Budgets:
     host_bytes: int
 
 
-def resolve_budgets(maximum_memory_usage: float, device: str | None, gpu_budget_bytes: int | None,
-                    host_budget_bytes: int | None) -> Budgets:
+def resolve_budgets(
+    maximum_memory_usage: float, device: str | None, gpu_budget_bytes: int | None, host_budget_bytes: int | None
+) -> Budgets:
     """Apply `maximum_memory_usage` to free GPU memory and available host memory; explicit bytes win."""
     if not 0 < maximum_memory_usage <= 0.95:
-        raise ValueError(f"merge.maximum_memory_usage={maximum_memory_usage}: must be in (0, 0.95]; the "
-                         "rest is headroom for the CUDA context, allocator fragmentation and other processes")
+        raise ValueError(
+            f"merge.maximum_memory_usage={maximum_memory_usage}: must be in (0, 0.95]; the "
+            "rest is headroom for the CUDA context, allocator fragmentation and other processes"
+        )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = 0
     if device.startswith("cuda"):
-        gpu = gpu_budget_bytes if gpu_budget_bytes is not None else int(
-            torch.cuda.mem_get_info(torch.device(device))[0] * maximum_memory_usage)
-    host = host_budget_bytes if host_budget_bytes is not None else int(
-        psutil.virtual_memory().available * maximum_memory_usage)
+        gpu = (
+            gpu_budget_bytes
+            if gpu_budget_bytes is not None
+            else int(torch.cuda.mem_get_info(torch.device(device))[0] * maximum_memory_usage)
+        )
+    host = (
+        host_budget_bytes
+        if host_budget_bytes is not None
+        else int(psutil.virtual_memory().available * maximum_memory_usage)
+    )
     return Budgets(device, gpu, host)
 
 
@@ -59,8 +68,7 @@ class OutputShard:
     nbytes: int
 
 
-def plan_shards(entries: list[TensorEntry], out_nbytes: dict[str, int],
-                max_shard_bytes: int) -> list[OutputShard]:
+def plan_shards(entries: list[TensorEntry], out_nbytes: dict[str, int], max_shard_bytes: int) -> list[OutputShard]:
     """Pack tensors greedily, in base read order, into shards of at most `max_shard_bytes` (a bigger tensor
     gets a shard of its own), named as transformers names them."""
     if max_shard_bytes <= 0:
@@ -74,8 +82,10 @@ def plan_shards(entries: list[TensorEntry], out_nbytes: dict[str, int],
         groups[-1].append(e)
         size += out_nbytes[e.name]
     n = len(groups)
-    return [OutputShard(f"model-{i:05d}-of-{n:05d}.safetensors", tuple(g), sum(out_nbytes[e.name] for e in g))
-            for i, g in enumerate(groups, 1)]
+    return [
+        OutputShard(f"model-{i:05d}-of-{n:05d}.safetensors", tuple(g), sum(out_nbytes[e.name] for e in g))
+        for i, g in enumerate(groups, 1)
+    ]
 
 
 def spill_bound(shards: list[OutputShard], host_bytes: int) -> int:
@@ -108,7 +118,8 @@ def preflight_disk(out_parent: Path, out_bytes: int, spill_dir: Path, spill_byte
                 f"not enough disk space at {path} for {' and '.join(what)}: need {need / 1024**3:.2f} GiB "
                 f"({need} bytes), free {free / 1024**3:.2f} GiB ({free} bytes). Free space there, choose "
                 "another output dir, or set merge.temporary_location to a larger disk (a larger host budget "
-                "avoids spill)")
+                "avoids spill)"
+            )
 
 
 class PeakRss:

@@ -13,8 +13,14 @@ import torch
 
 from .safetensors_io import NAMES, TensorEntry, as_tensor, read_raw
 
-_AUX = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4",
-        "quant_state.bitsandbytes__fp4")
+_AUX = (
+    "absmax",
+    "quant_map",
+    "nested_absmax",
+    "nested_quant_map",
+    "quant_state.bitsandbytes__nf4",
+    "quant_state.bitsandbytes__fp4",
+)
 PACKED = "packed"  # key of the packed weight's own entry among its parts
 
 
@@ -24,8 +30,7 @@ def is_prequantized(config: dict) -> bool:
     return qc.get("quant_method") == "bitsandbytes" and bool(qc.get("load_in_4bit", qc.get("_load_in_4bit")))
 
 
-def split_stored_4bit(
-        entries: list[TensorEntry]) -> tuple[list[TensorEntry], dict[str, dict[str, TensorEntry]]]:
+def split_stored_4bit(entries: list[TensorEntry]) -> tuple[list[TensorEntry], dict[str, dict[str, TensorEntry]]]:
     """Logical entries (each packed weight reported with its real shape and dtype, its parts dropped) and, per
     4-bit weight, the entries of its parts."""
     names = {e.name for e in entries}
@@ -44,8 +49,9 @@ def split_stored_4bit(
             state_key = next(k for k in parts[e.name] if k.startswith("quant_state."))
             state = json.loads(bytes(read_raw(parts[e.name][state_key]).numpy()))
             parts[e.name][PACKED] = e
-            e = TensorEntry(e.name, e.file, NAMES[getattr(torch, state["dtype"])], tuple(state["shape"]),
-                            e.start, e.end)
+            e = TensorEntry(
+                e.name, e.file, NAMES[getattr(torch, state["dtype"])], tuple(state["shape"]), e.start, e.end
+            )
         logical.append(e)
     return logical, parts
 
@@ -59,4 +65,3 @@ def dequantize_stored(parts: dict[str, TensorEntry], device: str) -> torch.Tenso
     state = bf.QuantState.from_dict(tensors, torch.device(device))
     data = as_tensor(read_raw(packed), packed.dtype, packed.shape).to(device)
     return bf.dequantize_4bit(data, state)
-

@@ -65,8 +65,10 @@ def _base_checkpoint(base_dir: Path) -> tuple[list[Path], list[TensorEntry]]:
     else:
         shards = sorted(base_dir.glob("*.safetensors"))
     if not shards:
-        raise MergeError(f"{base_dir} holds no safetensors weights; merge needs the base model's safetensors "
-                         "shards (convert .bin checkpoints with save_pretrained(safe_serialization=True))")
+        raise MergeError(
+            f"{base_dir} holds no safetensors weights; merge needs the base model's safetensors "
+            "shards (convert .bin checkpoints with save_pretrained(safe_serialization=True))"
+        )
     entries = [e for s in shards for e in read_entries(s)]
     return shards, entries
 
@@ -74,8 +76,11 @@ def _base_checkpoint(base_dir: Path) -> tuple[list[Path], list[TensorEntry]]:
 def _copied_files(base_dir: Path) -> list[Path]:
     """Tokenizer, generation config and other small files that travel with the weights."""
     skip = (INDEX, "config.json", MANIFEST)
-    return sorted(p for p in base_dir.iterdir() if p.is_file() and not p.name.startswith(".")
-                  and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name not in skip)
+    return sorted(
+        p
+        for p in base_dir.iterdir()
+        if p.is_file() and not p.name.startswith(".") and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name not in skip
+    )
 
 
 def _output_dtype(config: dict, entries: list[TensorEntry], requested: torch.dtype | None) -> torch.dtype:
@@ -96,22 +101,35 @@ def _resolve_source(source: str, prequantized: bool, entries: list[TensorEntry],
         raise ValueError(f"merge.source={source!r}: use 'dequantized', 'original' or 'auto'")
     if prequantized:
         if source == "original":
-            raise MergeError(f"{base_dir} is a 4-bit bitsandbytes checkpoint without 16-bit shards; use "
-                             "merge.source 'dequantized' or 'auto', or pass the 16-bit base model directory")
+            raise MergeError(
+                f"{base_dir} is a 4-bit bitsandbytes checkpoint without 16-bit shards; use "
+                "merge.source 'dequantized' or 'auto', or pass the 16-bit base model directory"
+            )
         return "dequantized"
     odd = sorted({e.dtype for e in entries if e.name.endswith(".weight") and e.dtype not in FLOAT16_32})
     if odd:
-        raise MergeError(f"{base_dir} stores weights as {', '.join(odd)}; merging needs 16-bit (or fp32) "
-                         "shards or a bitsandbytes 4-bit checkpoint")
+        raise MergeError(
+            f"{base_dir} stores weights as {', '.join(odd)}; merging needs 16-bit (or fp32) "
+            "shards or a bitsandbytes 4-bit checkpoint"
+        )
     return "original" if source == "auto" else source
 
 
-def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, *,
-                  source: Literal["dequantized", "original", "auto"] = "auto",
-                  maximum_memory_usage: float = 0.9, temporary_location: Path | None = None,
-                  output_dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 1024**3,
-                  device: str | None = None, gpu_budget_bytes: int | None = None,
-                  host_budget_bytes: int | None = None, quant: dict | None = None) -> MergeReport:
+def merge_adapter(
+    base_dir: Path,
+    adapter_dir: Path,
+    out_dir: Path,
+    *,
+    source: Literal["dequantized", "original", "auto"] = "auto",
+    maximum_memory_usage: float = 0.9,
+    temporary_location: Path | None = None,
+    output_dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    device: str | None = None,
+    gpu_budget_bytes: int | None = None,
+    host_budget_bytes: int | None = None,
+    quant: dict | None = None,
+) -> MergeReport:
     """Merge a peft LoRA adapter into a 16-bit base, one tensor at a time, within GPU and host budgets.
 
     Refuses (before writing anything) a base that is already a merge output, an adapter that does not fit the
@@ -122,9 +140,11 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, *,
     base_dir, adapter_dir, out_dir = Path(base_dir), Path(adapter_dir), Path(out_dir).absolute()
     config = json.loads((base_dir / "config.json").read_text())
     if MARKER in config:
-        raise AlreadyMergedError(f"{base_dir} is already a merged model ({MARKER} in config.json: "
-                                 f"{config[MARKER]}); merging again would apply the adapter twice. Use the "
-                                 "original base model as base_dir")
+        raise AlreadyMergedError(
+            f"{base_dir} is already a merged model ({MARKER} in config.json: "
+            f"{config[MARKER]}); merging again would apply the adapter twice. Use the "
+            "original base model as base_dir"
+        )
     shards_in, entries = _base_checkpoint(base_dir)
     prequantized = is_prequantized(config)
     entries, stored_4bit = split_stored_4bit(entries) if prequantized else (entries, {})
@@ -138,20 +158,36 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, *,
     if out_dir in (base_dir.absolute(), adapter_dir.absolute()):
         raise MergeError(f"out_dir {out_dir} is the base or adapter directory; choose a new output dir")
     if out_dir.is_dir() and read_manifest(out_dir) is None and any(out_dir.iterdir()):
-        raise MergeError(f"out_dir {out_dir} exists and is not a slimtune merge output; remove it or choose "
-                         "another output dir")
+        raise MergeError(
+            f"out_dir {out_dir} exists and is not a slimtune merge output; remove it or choose another output dir"
+        )
 
     timings = {"validate": time.perf_counter() - start}
     copied = _copied_files(base_dir)
-    base_inputs = [*shards_in, *([base_dir / INDEX] if (base_dir / INDEX).is_file() else []),
-                   base_dir / "config.json", *copied]
-    inputs = hash_files({**{f"base/{p.name}": p for p in base_inputs},
-                         **{f"adapter/{n}": adapter_dir / n for n in ADAPTER_FILES}})
+    base_inputs = [
+        *shards_in,
+        *([base_dir / INDEX] if (base_dir / INDEX).is_file() else []),
+        base_dir / "config.json",
+        *copied,
+    ]
+    inputs = hash_files(
+        {**{f"base/{p.name}": p for p in base_inputs}, **{f"adapter/{n}": adapter_dir / n for n in ADAPTER_FILES}}
+    )
     timings["hash_inputs"] = time.perf_counter() - start - sum(timings.values())
-    params = {"source": source_used, "output_dtype": str(out_dtype).removeprefix("torch."),
-              "quant": qspec.as_json() if qspec else None, "max_shard_bytes": max_shard_bytes}
-    report = MergeReport(str(out_dir), source_used, False, params["output_dtype"],
-                         gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes)
+    params = {
+        "source": source_used,
+        "output_dtype": str(out_dtype).removeprefix("torch."),
+        "quant": qspec.as_json() if qspec else None,
+        "max_shard_bytes": max_shard_bytes,
+    }
+    report = MergeReport(
+        str(out_dir),
+        source_used,
+        False,
+        params["output_dtype"],
+        gpu_budget_bytes=budgets.gpu_bytes,
+        host_budget_bytes=budgets.host_bytes,
+    )
     if out_dir.exists() and reusable(out_dir, inputs, params):
         report.reused, report.seconds = True, time.perf_counter() - start
         report.timings = {k: round(v, 3) for k, v in timings.items()}
@@ -178,10 +214,17 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, *,
             mark = time.perf_counter()
             outputs = merge_shards(shards, merger, held, tmp, out_bytes + spill)
             timings["merge_and_write"] = time.perf_counter() - mark
-            _write_metadata(tmp, shards, config, out_dtype, copied,
-                            {"adapter_sha256": adapter_digest({k: v for k, v in inputs.items()
-                                                               if k.startswith("adapter/")}),
-                             "source": source_used})
+            _write_metadata(
+                tmp,
+                shards,
+                config,
+                out_dtype,
+                copied,
+                {
+                    "adapter_sha256": adapter_digest({k: v for k, v in inputs.items() if k.startswith("adapter/")}),
+                    "source": source_used,
+                },
+            )
             outputs.update(hash_files({p.name: p for p in tmp.iterdir() if p.name not in outputs}))
             write_manifest(tmp, inputs, params, outputs)
             atomic.replace_dir(tmp, out_dir)
@@ -199,8 +242,7 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, *,
     return report
 
 
-def _fill_report(report: MergeReport, merger: TensorMerger, held: HeldTensors, shards: int,
-                 bytes_written: int) -> None:
+def _fill_report(report: MergeReport, merger: TensorMerger, held: HeldTensors, shards: int, bytes_written: int) -> None:
     """Copy the merge's counters into the report."""
     report.tensors_merged = merger.counts["merged"]
     report.tensors_dequantized = merger.counts["dequantized_only"]
@@ -212,12 +254,12 @@ def _fill_report(report: MergeReport, merger: TensorMerger, held: HeldTensors, s
     report.shards, report.bytes_written = shards, bytes_written
 
 
-def _write_metadata(tmp: Path, shards: list[OutputShard], config: dict, out_dtype: torch.dtype,
-                    copied: list[Path], marker: dict) -> None:
+def _write_metadata(
+    tmp: Path, shards: list[OutputShard], config: dict, out_dtype: torch.dtype, copied: list[Path], marker: dict
+) -> None:
     """Index, config (dtype updated, merged marker added) and the tokenizer/generation files."""
     weight_map = {e.name: s.filename for s in shards for e in s.entries}
-    index = {"metadata": {"total_size": sum(s.nbytes for s in shards)},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / INDEX).write_text(json.dumps(index, indent=2))
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     config["dtype"] = str(out_dtype).removeprefix("torch.")

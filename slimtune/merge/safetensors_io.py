@@ -22,9 +22,18 @@ import torch
 from .errors import DiskSpaceError
 
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 FLOAT16_32 = ("F16", "BF16", "F32")  # the dtypes a mergeable 16-bit (or fp32) checkpoint is stored in
@@ -60,9 +69,18 @@ def read_entries(path: Path) -> list[TensorEntry]:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
     base = 8 + length
-    entries = [TensorEntry(name, path, meta["dtype"], tuple(meta["shape"]), base + meta["data_offsets"][0],
-                           base + meta["data_offsets"][1])
-               for name, meta in header.items() if name != "__metadata__"]
+    entries = [
+        TensorEntry(
+            name,
+            path,
+            meta["dtype"],
+            tuple(meta["shape"]),
+            base + meta["data_offsets"][0],
+            base + meta["data_offsets"][1],
+        )
+        for name, meta in header.items()
+        if name != "__metadata__"
+    ]
     return sorted(entries, key=lambda e: e.start)
 
 
@@ -105,8 +123,7 @@ def write_shard(path: Path, tensors: list[OutTensor], space_needed: int) -> str:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
-                          "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors aligns the data section to 8 bytes
@@ -121,7 +138,7 @@ def write_shard(path: Path, tensors: list[OutTensor], space_needed: int) -> str:
                 for chunk in t.chunks():
                     chunk = memoryview(chunk).cast("B")  # flat bytes, whatever the producer's shape
                     for i in range(0, len(chunk), _CHUNK):
-                        piece = chunk[i:i + _CHUNK]
+                        piece = chunk[i : i + _CHUNK]
                         f.write(piece)
                         digest.update(piece)
                     written += len(chunk)
@@ -133,6 +150,7 @@ def write_shard(path: Path, tensors: list[OutTensor], space_needed: int) -> str:
         if e.errno == errno.ENOSPC:
             raise DiskSpaceError(
                 f"disk full while writing {path}: the merge needs about {space_needed / 1024**3:.2f} GiB "
-                f"free in {path.parent.parent}; free space there or choose another output dir") from e
+                f"free in {path.parent.parent}; free space there or choose another output dir"
+            ) from e
         raise
     return digest.hexdigest()

@@ -23,8 +23,7 @@ from .lora_delta import Adapter
 from .nf4 import QuantSpec, roundtrip
 from .plan import Budgets, OutputShard, gpu_working_set
 from .prequantized import dequantize_stored
-from .safetensors_io import (DTYPES, FLOAT16_32, NAMES, OutTensor, TensorEntry, as_tensor, read_raw,
-                             write_shard)
+from .safetensors_io import DTYPES, FLOAT16_32, NAMES, OutTensor, TensorEntry, as_tensor, read_raw, write_shard
 
 
 class HeldTensors:
@@ -60,9 +59,11 @@ class HeldTensors:
                 f.write(memoryview(raw.numpy()))
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise DiskSpaceError(f"disk full while spilling {name} ({raw.numel()} bytes) to {path}; set "
-                                     "merge.temporary_location to a disk with more room or raise the host "
-                                     "budget (merge.maximum_memory_usage)") from e
+                raise DiskSpaceError(
+                    f"disk full while spilling {name} ({raw.numel()} bytes) to {path}; set "
+                    "merge.temporary_location to a disk with more room or raise the host "
+                    "budget (merge.maximum_memory_usage)"
+                ) from e
             raise
         with self._lock:
             self._spilled[name] = path
@@ -95,8 +96,15 @@ class HeldTensors:
 class TensorMerger:
     """Produces each output tensor's bytes: LoRA merge, NF4 round trip, modules_to_save copy or plain copy."""
 
-    def __init__(self, adapter: Adapter, quantized: set[str], quant: QuantSpec | None, out_dtype: torch.dtype,
-                 budgets: Budgets, stored_4bit: dict[str, dict[str, TensorEntry]]) -> None:
+    def __init__(
+        self,
+        adapter: Adapter,
+        quantized: set[str],
+        quant: QuantSpec | None,
+        out_dtype: torch.dtype,
+        budgets: Budgets,
+        stored_4bit: dict[str, dict[str, TensorEntry]],
+    ) -> None:
         self.adapter, self.quantized, self.quant = adapter, quantized, quant
         self.stored_4bit = stored_4bit
         self.out_dtype, self.budgets = out_dtype, budgets
@@ -128,8 +136,7 @@ class TensorMerger:
             if self.out_dtype_name(entry) == entry.dtype:
                 return raw
             return self._cast(as_tensor(raw, entry.dtype, entry.shape), entry)
-        fits = gpu_working_set(entry, self.out_dtype.itemsize, quantize or stored is not None) \
-            <= self.budgets.gpu_bytes
+        fits = gpu_working_set(entry, self.out_dtype.itemsize, quantize or stored is not None) <= self.budgets.gpu_bytes
         device = self.budgets.device if fits else "cpu"
         self.devices[device] += 1
         self.counts["merged" if factor is not None else "dequantized_only"] += 1
@@ -156,8 +163,9 @@ class TensorMerger:
         return out.cpu()
 
 
-def merge_shards(shards: list[OutputShard], merger: TensorMerger, held: HeldTensors, out_dir: Path,
-                 space_needed: int) -> dict[str, str]:
+def merge_shards(
+    shards: list[OutputShard], merger: TensorMerger, held: HeldTensors, out_dir: Path, space_needed: int
+) -> dict[str, str]:
     """Merge and write every shard into `out_dir`; returns {filename: sha256}.
 
     One writer thread writes shard k (disk, sha256, fsync; all release the GIL) while shard k+1 is merged,
@@ -174,10 +182,13 @@ def merge_shards(shards: list[OutputShard], merger: TensorMerger, held: HeldTens
                     pending = None
             if pending is not None:
                 hashes.update(pending.result())
-            tensors = [OutTensor(e.name, merger.out_dtype_name(e), e.shape, merger.out_nbytes(e),
-                                 partial(held.chunks, e.name)) for e in shard.entries]
-            pending = writer.submit(lambda s=shard, t=tensors: {
-                s.filename: write_shard(out_dir / s.filename, t, space_needed)})
+            tensors = [
+                OutTensor(e.name, merger.out_dtype_name(e), e.shape, merger.out_nbytes(e), partial(held.chunks, e.name))
+                for e in shard.entries
+            ]
+            pending = writer.submit(
+                lambda s=shard, t=tensors: {s.filename: write_shard(out_dir / s.filename, t, space_needed)}
+            )
         if pending is not None:
             hashes.update(pending.result())
     return hashes

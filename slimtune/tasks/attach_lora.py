@@ -55,15 +55,23 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
 
     model = registry.get(handle)
     if spec.lora.train_embeddings and model.config.tie_word_embeddings:
-        raise ValueError("lora.train_embeddings: this model ties embed_tokens and lm_head, so training "
-                         "separate copies would untie them; set lora.train_embeddings: false")
+        raise ValueError(
+            "lora.train_embeddings: this model ties embed_tokens and lm_head, so training "
+            "separate copies would untie them; set lora.train_embeddings: false"
+        )
     device = next(model.parameters()).device
     for p in model.parameters():
         p.requires_grad_(False)
     config = LoraConfig(
-        r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,
-        target_modules=spec.lora.target_modules, use_rslora=spec.lora.use_rslora, bias=spec.lora.bias,
-        task_type="CAUSAL_LM", modules_to_save=list(_EMBEDDINGS) if spec.lora.train_embeddings else None)
+        r=spec.lora.r,
+        lora_alpha=spec.lora.alpha,
+        lora_dropout=spec.lora.dropout,
+        target_modules=spec.lora.target_modules,
+        use_rslora=spec.lora.use_rslora,
+        bias=spec.lora.bias,
+        task_type="CAUSAL_LM",
+        modules_to_save=list(_EMBEDDINGS) if spec.lora.train_embeddings else None,
+    )
     torch.manual_seed(spec.train.seed)  # LoRA A is randomly initialised: same spec, same adapter
     peft_model = get_peft_model(model, config)
     if spec.lora.train_embeddings:
@@ -72,8 +80,11 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
     peft_model.config.use_cache = False
     # DDP wants every parameter on the rank's GPU (it checks device types and broadcasts them at wrap time)
     ddp = {"host_embedding": "train.num_gpus > 1: DDP keeps every parameter on the rank's GPU"}
-    kernels = apply_kernels(peft_model, spec.train.kernels,  # logs what it applied and skipped, and why
-                            exclude=ddp if spec.train.num_gpus > 1 else None)
+    kernels = apply_kernels(
+        peft_model,
+        spec.train.kernels,  # logs what it applied and skipped, and why
+        exclude=ddp if spec.train.num_gpus > 1 else None,
+    )
     registry.replace(handle, peft_model)
     # The checkpointing handle holds pinned host buffers, the kernel patch the patched modules (and a
     # host-resident embedding table): both live in the registry so cleanup drops them with the model.
@@ -82,9 +93,22 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
     targets = sorted(peft_model.peft_config["default"].target_modules)
-    log.info("LoRA r=%d on %s: %d trainable of %d parameters, checkpointing=%s", spec.lora.r, targets,
-             trainable, total, spec.lora.gradient_checkpointing)
-    return LoraResult(handle=handle, checkpointing_handle=ckpt_handle, trainable_parameters=trainable, total_parameters=total,
-                      target_modules=targets, gradient_checkpointing=str(spec.lora.gradient_checkpointing),
-                      offloading=checkpointing.offloading, kernels=dict(kernels.modules),
-                      kernels_skipped=dict(kernels.skipped))
+    log.info(
+        "LoRA r=%d on %s: %d trainable of %d parameters, checkpointing=%s",
+        spec.lora.r,
+        targets,
+        trainable,
+        total,
+        spec.lora.gradient_checkpointing,
+    )
+    return LoraResult(
+        handle=handle,
+        checkpointing_handle=ckpt_handle,
+        trainable_parameters=trainable,
+        total_parameters=total,
+        target_modules=targets,
+        gradient_checkpointing=str(spec.lora.gradient_checkpointing),
+        offloading=checkpointing.offloading,
+        kernels=dict(kernels.modules),
+        kernels_skipped=dict(kernels.skipped),
+    )

@@ -25,7 +25,7 @@ class MemorySnapshot:
     host_rss: int
 
     @classmethod
-    def take(cls) -> "MemorySnapshot":
+    def take(cls) -> MemorySnapshot:
         gpu = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
         return cls(gpu_allocated=gpu, host_rss=psutil.Process().memory_info().rss)
 
@@ -63,8 +63,12 @@ def cleanup(baseline: dict) -> CleanupResult:
         excess = after.gpu_allocated - baseline["gpu_allocated"]
         ok = excess <= BASELINE_TOLERANCE_BYTES
         if not ok:
-            log.warning("GPU memory is %.1f MiB above its value before load_4bit after cleanup; something "
-                        "still references a model tensor", excess / 2**20)
+            log.warning(
+                "GPU memory is %.1f MiB above its value before load_4bit after cleanup; something "
+                "still references a model tensor",
+                excess / 2**20,
+            )
     log.info("released %s; GPU allocated %s -> %s bytes", released, before.gpu_allocated, after.gpu_allocated)
-    return CleanupResult(released=released, before=before.to_dict(), after=after.to_dict(),
-                         gpu_excess_bytes=excess, back_to_baseline=ok)
+    return CleanupResult(
+        released=released, before=before.to_dict(), after=after.to_dict(), gpu_excess_bytes=excess, back_to_baseline=ok
+    )

@@ -26,7 +26,14 @@ def dequant_merge(spec: PipelineSpec, adapter_dir: str, *, maximum_memory_usage:
     # the dtype the base was loaded in: quantizing from fp32 instead of bf16 gives different weights.
     trained_dtype = resolve_compute_dtype(spec.model.compute_dtype, device)
     return merge_adapter(
-        local_model_dir(spec.model), Path(adapter_dir), run_dir / "merged", source=spec.merge.source,
-        maximum_memory_usage=maximum_memory_usage, temporary_location=tmp, output_dtype=dtype,
-        max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9), device=str(device),
-        quant={"dtype": trained_dtype})
+        local_model_dir(spec.model),
+        Path(adapter_dir),
+        run_dir / "merged",
+        source=spec.merge.source,
+        maximum_memory_usage=maximum_memory_usage,
+        temporary_location=tmp,
+        output_dtype=dtype,
+        max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9),
+        device=str(device),
+        quant={"dtype": trained_dtype},
+    )

@@ -64,16 +64,24 @@ def _convert(spec: PipelineSpec, merged_dir: Path, out_dir: Path) -> list[Path]:
 
 
 def _card(spec: PipelineSpec, merged_dir: Path, files: list[Path], summary: dict) -> tuple[str, str]:
-    tok_cfg = json.loads((merged_dir / "tokenizer_config.json").read_text()) \
-        if (merged_dir / "tokenizer_config.json").exists() else {}
+    tok_cfg = (
+        json.loads((merged_dir / "tokenizer_config.json").read_text())
+        if (merged_dir / "tokenizer_config.json").exists()
+        else {}
+    )
     template = tok_cfg.get("chat_template")
     if template is None and (merged_dir / "chat_template.jinja").exists():
         template = (merged_dir / "chat_template.jinja").read_text()
     quants = [{"file": f.name, "method": f.stem.rsplit("-", 1)[-1], "size_bytes": f.stat().st_size} for f in files]
     lora = {k: summary["spec"]["lora"][k] for k in ("r", "alpha", "dropout", "target_modules", "use_rslora")}
-    card = render_model_card(repo_id=spec.export.push.repo_id if spec.export.push else f"local/{spec.name}",
-                             base_model=spec.model.name_or_path, quants=quants, dataset=spec.data.path,
-                             lora=lora, metrics=summary.get("train"))
+    card = render_model_card(
+        repo_id=spec.export.push.repo_id if spec.export.push else f"local/{spec.name}",
+        base_model=spec.model.name_or_path,
+        quants=quants,
+        dataset=spec.data.path,
+        lora=lora,
+        metrics=summary.get("train"),
+    )
     eos = tok_cfg.get("eos_token")
     modelfile = render_modelfile(files[0].name, template, eos_token=eos if isinstance(eos, str) else None)
     return card, modelfile
@@ -88,8 +96,9 @@ def gguf_convert_and_push(spec: PipelineSpec, merged_dir: Path, adapter_dir: Pat
     if spec.export.verify:
         for f in files:
             if not llama_cpp_available():
-                result.verification[f.name] = {"skipped": "llama-cpp-python is not installed "
-                                               "(pip install 'slimtune[llama-cpp]')"}
+                result.verification[f.name] = {
+                    "skipped": "llama-cpp-python is not installed (pip install 'slimtune[llama-cpp]')"
+                }
                 continue
             result.verification[f.name] = verify_gguf(f, merged_dir, VERIFY_PROMPTS)
             log.info("verified %s: %s", f.name, result.verification[f.name])
@@ -103,7 +112,13 @@ def gguf_convert_and_push(spec: PipelineSpec, merged_dir: Path, adapter_dir: Pat
             upload |= {f"adapter/{p.name}": p for p in adapter_dir.iterdir() if p.is_file()}
         if push.include_merged:
             upload |= {f"merged/{p.name}": p for p in merged_dir.iterdir() if p.is_file()}
-        pushed = push_folder(upload, push.repo_id, private=push.private, revision=push.revision,
-                             token=resolve_token(), commit_message=f"slimtune: {spec.name}")
+        pushed = push_folder(
+            upload,
+            push.repo_id,
+            private=push.private,
+            revision=push.revision,
+            token=resolve_token(),
+            commit_message=f"slimtune: {spec.name}",
+        )
         result.pushed = asdict(pushed)
     return result

@@ -52,20 +52,38 @@ def load_4bit(spec: PipelineSpec) -> LoadResult:
     cfg = check_model_dir(spec.model, model_dir)
     device = resolve_device(spec.model.device)
     dtype = resolve_compute_dtype(spec.model.compute_dtype, device)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=torch.uint8,
+    )
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, quantization_config=quant, dtype=dtype, device_map={"": str(device)},
-        max_memory=max_memory_with_headroom(str(device)), trust_remote_code=spec.model.trust_remote_code,
+        model_dir,
+        quantization_config=quant,
+        dtype=dtype,
+        device_map={"": str(device)},
+        max_memory=max_memory_with_headroom(str(device)),
+        trust_remote_code=spec.model.trust_remote_code,
         use_safetensors=not spec.model.allow_pickle or None,
-        attn_implementation=_attn_implementation(spec.model.attn_implementation))
+        attn_implementation=_attn_implementation(spec.model.attn_implementation),
+    )
     model.config.use_cache = False
     n4 = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     if n4 == 0:
-        raise RuntimeError(f"no layer of {model_dir} was quantized to 4 bits; bitsandbytes "
-                           f"{bnb.__version__} may not support this device ({device})")
+        raise RuntimeError(
+            f"no layer of {model_dir} was quantized to 4 bits; bitsandbytes "
+            f"{bnb.__version__} may not support this device ({device})"
+        )
     handle = registry.put("model", model)
     log.info("loaded %s (%s) in NF4 on %s: %d 4-bit linears", model_dir, cfg["model_type"], device, n4)
-    return LoadResult(handle=handle, model_dir=str(model_dir), model_type=cfg["model_type"], device=str(device),
-                      compute_dtype=str(dtype).removeprefix("torch."), linear_4bit=n4,
-                      parameters=sum(p.numel() for p in model.parameters()))
+    return LoadResult(
+        handle=handle,
+        model_dir=str(model_dir),
+        model_type=cfg["model_type"],
+        device=str(device),
+        compute_dtype=str(dtype).removeprefix("torch."),
+        linear_4bit=n4,
+        parameters=sum(p.numel() for p in model.parameters()),
+    )

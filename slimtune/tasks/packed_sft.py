@@ -33,9 +33,16 @@ def _trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
 
 
-def packed_sft(spec: PipelineSpec, model_handle: str, checkpointing_handle: str, examples_handle: str, *,
-               micro_batch_size: int, gradient_accumulation_steps: int,
-               gradient_checkpointing: bool | str) -> TrainReport:
+def packed_sft(
+    spec: PipelineSpec,
+    model_handle: str,
+    checkpointing_handle: str,
+    examples_handle: str,
+    *,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int,
+    gradient_checkpointing: bool | str,
+) -> TrainReport:
     """Train the LoRA adapter; micro-batch, accumulation and checkpointing may be downshifted by the guard."""
     model = registry.get(model_handle)
     current = registry.get(checkpointing_handle)
@@ -51,5 +58,13 @@ def packed_sft(spec: PipelineSpec, model_handle: str, checkpointing_handle: str,
             if name in initial:
                 param.copy_(initial[name])
     tokenizer, examples = registry.get(examples_handle)
-    return train_adapter(model, tokenizer, examples, spec.train, spec.data, spec.run_dir(),
-                         micro_batch_size=micro_batch_size, gradient_accumulation_steps=gradient_accumulation_steps)
+    return train_adapter(
+        model,
+        tokenizer,
+        examples,
+        spec.train,
+        spec.data,
+        spec.run_dir(),
+        micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+    )

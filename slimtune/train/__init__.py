@@ -6,6 +6,13 @@ from slimtune.train.options import ISOLATING_MODEL_TYPES, Batching, choose_batch
 from slimtune.train.trainer import REPORT_FILE, TrainReport, train_adapter
 
 __all__ = [
-    "Batching", "ISOLATING_MODEL_TYPES", "LogCallback", "PrefectProgressCallback", "REPORT_FILE",
-    "TrainReport", "choose_batching", "latest_checkpoint", "train_adapter",
+    "Batching",
+    "ISOLATING_MODEL_TYPES",
+    "LogCallback",
+    "PrefectProgressCallback",
+    "REPORT_FILE",
+    "TrainReport",
+    "choose_batching",
+    "latest_checkpoint",
+    "train_adapter",
 ]

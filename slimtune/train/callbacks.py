@@ -17,14 +17,21 @@ log = logging.getLogger("slimtune.train")
 class LogCallback(TrainerCallback):
     """One log line per logging step: loss, lr, tokens seen, tokens/s and padding waste."""
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict | None = None, **kwargs) -> None:
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict | None = None, **kwargs
+    ) -> None:
         logs = logs or {}
         if "loss" in logs:
-            log.info("step %d/%d loss %.4f lr %.3g tokens %d tok/s %.0f padding waste %.1f%%",
-                     state.global_step, state.max_steps, logs["loss"], logs.get("learning_rate", 0.0),
-                     logs.get("tokens", 0), logs.get("tokens_per_s", 0.0),
-                     100 * logs.get("padding_waste", 0.0))
+            log.info(
+                "step %d/%d loss %.4f lr %.3g tokens %d tok/s %.0f padding waste %.1f%%",
+                state.global_step,
+                state.max_steps,
+                logs["loss"],
+                logs.get("learning_rate", 0.0),
+                logs.get("tokens", 0),
+                logs.get("tokens_per_s", 0.0),
+                100 * logs.get("padding_waste", 0.0),
+            )
         elif "eval_loss" in logs:
             log.info("step %d/%d eval loss %.4f", state.global_step, state.max_steps, logs["eval_loss"])
 
@@ -43,18 +50,15 @@ class PrefectProgressCallback(TrainerCallback):
         self.artifact_id = None
         self._last = -1.0
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs) -> None:
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if not _in_prefect_run():
             return
         from prefect.artifacts import create_progress_artifact
 
         self._last = self._percent(state)
-        self.artifact_id = create_progress_artifact(progress=self._last, key=self.key,
-                                                    description=_describe(state))
+        self.artifact_id = create_progress_artifact(progress=self._last, key=self.key, description=_describe(state))
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if self.artifact_id is None:
             return
         pct = self._percent(state)

@@ -31,8 +31,9 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # A full disk reaches us as OSError(ENOSPC/EDQUOT), as torch.save's RuntimeError("... file write failed" or,
 # seen on a full tmpfs, "[enforce fail at inline_container.cc] unexpected pos N vs M": a short write), or
 # as safetensors' SafetensorError("... StorageFull ...").
-_DISK_FULL = re.compile(r"No space left|StorageFull|Disk quota|file write failed|unexpected pos \d+ vs \d+",
-                        re.IGNORECASE)
+_DISK_FULL = re.compile(
+    r"No space left|StorageFull|Disk quota|file write failed|unexpected pos \d+ vs \d+", re.IGNORECASE
+)
 
 
 def is_disk_full(error: BaseException) -> bool:
@@ -50,17 +51,20 @@ def write_failure(root: Path, model: torch.nn.Module, error: BaseException) -> s
     else:  # fp32 LoRA weights plus AdamW's two moments: 12 bytes per trainable parameter
         need = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     free = shutil.disk_usage(root).free
-    return (f"writing a checkpoint under {root} failed ({error}); a checkpoint needs about "
-            f"{need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB is free there. Free space, point output_dir at "
-            f"a larger disk, or lower train.save_total_limit; no partial checkpoint was published")
+    return (
+        f"writing a checkpoint under {root} failed ({error}); a checkpoint needs about "
+        f"{need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB is free there. Free space, point output_dir at "
+        f"a larger disk, or lower train.save_total_limit; no partial checkpoint was published"
+    )
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest step first."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _CHECKPOINT.match(p.name)) and (p / COMPLETE).is_file()]
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT.match(p.name)) and (p / COMPLETE).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -76,13 +80,15 @@ def remove_incomplete(root: Path) -> list[str]:
         return []
     removed = []
     for p in root.iterdir():
-        if p.name == STAGING or p.name.startswith(".checkpoint-") or (
-                _CHECKPOINT.match(p.name) and not (p / COMPLETE).is_file()):
+        if (
+            p.name == STAGING
+            or p.name.startswith(".checkpoint-")
+            or (_CHECKPOINT.match(p.name) and not (p / COMPLETE).is_file())
+        ):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
     if removed:
-        log.warning("removed incomplete checkpoint leftovers from an earlier crash: %s",
-                    ", ".join(sorted(removed)))
+        log.warning("removed incomplete checkpoint leftovers from an earlier crash: %s", ", ".join(sorted(removed)))
     return removed
 
 

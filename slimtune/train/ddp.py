@@ -40,9 +40,13 @@ _TAIL_LINES = 40
 
 def deferred(stage: str, spec: PipelineSpec) -> dict:
     """What load_4bit / attach_lora report when the torchrun workers do that work inside packed_sft."""
-    return {"handle": None, "checkpointing_handle": None, "deferred_to": "packed_sft",
-            "reason": f"train.num_gpus={spec.train.num_gpus}: each of the {spec.train.num_gpus} DDP workers "
-                      f"runs {stage} on its own device; the flow process loads no model"}
+    return {
+        "handle": None,
+        "checkpointing_handle": None,
+        "deferred_to": "packed_sft",
+        "reason": f"train.num_gpus={spec.train.num_gpus}: each of the {spec.train.num_gpus} DDP workers "
+        f"runs {stage} on its own device; the flow process loads no model",
+    }
 
 
 def check_devices(spec: PipelineSpec) -> str:
@@ -52,13 +56,17 @@ def check_devices(spec: PipelineSpec) -> str:
     if device == "cpu":
         return "gloo"
     if device.startswith("cuda:"):
-        raise ValueError(f"model.device {device!r} with train.num_gpus {n}: DDP uses GPUs 0..{n - 1} of "
-                         "CUDA_VISIBLE_DEVICES; set model.device: auto and pick the GPUs with "
-                         "CUDA_VISIBLE_DEVICES")
+        raise ValueError(
+            f"model.device {device!r} with train.num_gpus {n}: DDP uses GPUs 0..{n - 1} of "
+            "CUDA_VISIBLE_DEVICES; set model.device: auto and pick the GPUs with "
+            "CUDA_VISIBLE_DEVICES"
+        )
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible < n:
-        raise ValueError(f"train.num_gpus is {n} but {visible} GPU(s) are visible; lower train.num_gpus, "
-                         "or set model.device: cpu to run the workers on the CPU (tests)")
+        raise ValueError(
+            f"train.num_gpus is {n} but {visible} GPU(s) are visible; lower train.num_gpus, "
+            "or set model.device: cpu to run the workers on the CPU (tests)"
+        )
     return "nccl"
 
 
@@ -73,8 +81,9 @@ def _worker_env(nproc: int) -> dict[str, str]:
     return env
 
 
-def launch(spec: PipelineSpec, *, micro_batch_size: int, gradient_accumulation_steps: int,
-           gradient_checkpointing: bool | str) -> dict:
+def launch(
+    spec: PipelineSpec, *, micro_batch_size: int, gradient_accumulation_steps: int, gradient_checkpointing: bool | str
+) -> dict:
     """Train with `spec.train.num_gpus` torchrun workers; returns rank 0's TrainReport dict plus world_size,
     backend, per-rank throughput (`ranks`) and `tokens_per_s_all_ranks`.
 
@@ -88,12 +97,24 @@ def launch(spec: PipelineSpec, *, micro_batch_size: int, gradient_accumulation_s
     run_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".ddp-", dir=run_dir) as tmp:
         job_dir = Path(tmp)
-        job = {"spec": spec.model_dump(mode="json"), "backend": backend, "micro_batch_size": micro_batch_size,
-               "gradient_accumulation_steps": gradient_accumulation_steps,
-               "gradient_checkpointing": gradient_checkpointing}
+        job = {
+            "spec": spec.model_dump(mode="json"),
+            "backend": backend,
+            "micro_batch_size": micro_batch_size,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "gradient_checkpointing": gradient_checkpointing,
+        }
         (job_dir / "job.json").write_text(json.dumps(job), encoding="utf-8")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "slimtune.train.ddp", str(job_dir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "slimtune.train.ddp",
+            str(job_dir),
+        ]
         log.info("launching %d DDP workers (%s): %s", nproc, backend, " ".join(cmd))
         returncode, tail = _run(cmd, _worker_env(nproc))
         result = job_dir / RESULT_FILE
@@ -106,8 +127,15 @@ def launch(spec: PipelineSpec, *, micro_batch_size: int, gradient_accumulation_s
 def _run(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
     """Run torchrun, relaying its output to this task's log; end the whole group if this task is stopped."""
     tail: deque[str] = deque(maxlen=_TAIL_LINES)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -152,10 +180,15 @@ def _train_rank(job: dict, local_rank: int) -> dict:
     loaded = load_4bit(spec)
     lora = attach_lora(spec, loaded.handle)
     examples = prepare_data(spec, loaded.model_dir)
-    report = packed_sft(spec, lora.handle, lora.checkpointing_handle, examples,
-                        micro_batch_size=job["micro_batch_size"],
-                        gradient_accumulation_steps=job["gradient_accumulation_steps"],
-                        gradient_checkpointing=job["gradient_checkpointing"])
+    report = packed_sft(
+        spec,
+        lora.handle,
+        lora.checkpointing_handle,
+        examples,
+        micro_batch_size=job["micro_batch_size"],
+        gradient_accumulation_steps=job["gradient_accumulation_steps"],
+        gradient_checkpointing=job["gradient_checkpointing"],
+    )
     return asdict(report)
 
 
@@ -176,15 +209,26 @@ def main(argv: list[str] | None = None) -> int:
         ranks: list = [None] * world
         dist.all_gather_object(ranks, mine)
         if rank == 0:  # flat keys: the run report renders them as rows of the packed_sft table
-            report.update(world_size=world, backend=job["backend"], ranks=ranks,
-                          tokens_per_s_all_ranks=sum(r["tokens_per_s"] for r in ranks))
+            report.update(
+                world_size=world,
+                backend=job["backend"],
+                ranks=ranks,
+                tokens_per_s_all_ranks=sum(r["tokens_per_s"] for r in ranks),
+            )
             atomic.write_json(job_dir / RESULT_FILE, report)
     except BaseException as e:
         from slimtune.memory.errors import classify
 
-        atomic.write_json(job_dir / f"error-rank{rank}.json", {
-            "rank": rank, "type": type(e).__name__, "message": str(e).strip()[:2000], "oom": classify(e),
-            "traceback": traceback.format_exc()[-4000:]})
+        atomic.write_json(
+            job_dir / f"error-rank{rank}.json",
+            {
+                "rank": rank,
+                "type": type(e).__name__,
+                "message": str(e).strip()[:2000],
+                "oom": classify(e),
+                "traceback": traceback.format_exc()[-4000:],
+            },
+        )
         raise
     finally:
         if dist.is_available() and dist.is_initialized():

@@ -38,8 +38,10 @@ def choose_batching(model: torch.nn.Module, requested: BatchMode) -> Batching:
     attn = getattr(config, "_attn_implementation", None)
     reason = None
     if model_type not in ISOLATING_MODEL_TYPES:
-        reason = (f"model_type {model_type!r} is not verified to isolate packed examples (verified: "
-                  f"{', '.join(sorted(ISOLATING_MODEL_TYPES))})")
+        reason = (
+            f"model_type {model_type!r} is not verified to isolate packed examples (verified: "
+            f"{', '.join(sorted(ISOLATING_MODEL_TYPES))})"
+        )
     elif attn != "flash_attention_2" and attn not in _POSITION_MASKED:
         reason = f"attention {attn!r} does not build masks from position ids; use sdpa or flash_attention_2"
     if reason:
@@ -76,8 +78,9 @@ def resolve_optimizer(optimizer: str, device: torch.device) -> str:
     """The TrainingArguments `optim` name: fused AdamW on GPU, paged 8-bit AdamW only on GPU."""
     cuda = device.type == "cuda"
     if optimizer == "paged_adamw_8bit" and not cuda:
-        raise ValueError("train.optimizer paged_adamw_8bit pages optimizer state through CUDA memory; use "
-                         "adamw_torch on the CPU")
+        raise ValueError(
+            "train.optimizer paged_adamw_8bit pages optimizer state through CUDA memory; use adamw_torch on the CPU"
+        )
     if optimizer == "adamw_torch" and cuda:
         # Same update rule, one fused kernel for all parameters instead of one launch per tensor.
         return "adamw_torch_fused"

@@ -26,21 +26,29 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from slimtune.data import (TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack,
-                           packing_efficiency)
 from slimtune import atomic
+from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
 from slimtune.spec import DataSpec, TrainSpec
 from slimtune.train import checkpoints
 from slimtune.train.callbacks import LogCallback, PrefectProgressCallback
-from slimtune.train.options import (choose_batching, model_device, resolve_optimizer, resolve_precision,
-                                    scheduler_name)
+from slimtune.train.options import choose_batching, model_device, resolve_optimizer, resolve_precision, scheduler_name
 
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "train_report.json"
 # TrainSpec fields that may change between a checkpoint and its resume without changing the result.
-_OPERATIONAL = {"micro_batch_size", "gradient_accumulation_steps", "resume", "empty_cache_steps",
-                "logging_steps", "eval_steps", "save_steps", "save_total_limit", "kernels", "num_gpus"}
+_OPERATIONAL = {
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "resume",
+    "empty_cache_steps",
+    "logging_steps",
+    "eval_steps",
+    "save_steps",
+    "save_total_limit",
+    "kernels",
+    "num_gpus",
+}
 
 
 @dataclass
@@ -116,8 +124,12 @@ class _SlimTrainer(Trainer):
         try:
             super()._save_checkpoint(model, trial)
             staged = staging / f"checkpoint-{self.state.global_step}"
-            checkpoints.commit(staged, root, {**self.checkpoint_state, "step": self.state.global_step},
-                               keep=self.args.save_total_limit or 1)
+            checkpoints.commit(
+                staged,
+                root,
+                {**self.checkpoint_state, "step": self.state.global_step},
+                keep=self.args.save_total_limit or 1,
+            )
         except Exception as e:
             if not checkpoints.is_disk_full(e):
                 raise
@@ -138,15 +150,18 @@ class _SlimTrainer(Trainer):
         if "loss" in logs:
             tokens, slots, seconds = self.meter.flush()
             before = next((e["tokens"] for e in reversed(self.state.log_history) if "tokens" in e), 0)
-            logs.update(tokens=before + tokens, tokens_per_s=tokens / max(seconds, 1e-9),
-                        padding_waste=1 - tokens / max(slots, 1))
+            logs.update(
+                tokens=before + tokens,
+                tokens_per_s=tokens / max(seconds, 1e-9),
+                padding_waste=1 - tokens / max(slots, 1),
+            )
         super().log(logs, start_time)
 
 
 class _EvalBefore(TrainerCallback):
     """Keeps the loss of the eval_on_start pass and restarts the tokens/s window after it."""
 
-    def __init__(self, trainer: "_SlimTrainer") -> None:
+    def __init__(self, trainer: _SlimTrainer) -> None:
         self.trainer = trainer
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs) -> None:
@@ -155,9 +170,18 @@ class _EvalBefore(TrainerCallback):
             self.trainer.meter.flush()
 
 
-def train_adapter(model, tokenizer, examples: Examples, train: TrainSpec, data: DataSpec, run_dir: Path, *,
-                  micro_batch_size: int, gradient_accumulation_steps: int,
-                  callbacks: list[TrainerCallback] | None = None) -> TrainReport:
+def train_adapter(
+    model,
+    tokenizer,
+    examples: Examples,
+    train: TrainSpec,
+    data: DataSpec,
+    run_dir: Path,
+    *,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int,
+    callbacks: list[TrainerCallback] | None = None,
+) -> TrainReport:
     """Train the LoRA adapter of `model` on `examples`; resume from the latest complete checkpoint.
 
     Args:
@@ -178,24 +202,42 @@ def train_adapter(model, tokenizer, examples: Examples, train: TrainSpec, data: 
     precision = resolve_precision(train.precision, device)
     optim = resolve_optimizer(train.optimizer, device)
     ckpt_root = run_dir / "checkpoints"
-    args = _arguments(train, ckpt_root, micro_batch_size, gradient_accumulation_steps, precision, optim,
-                      device, has_eval=bool(eval_rows))
-    fingerprint = _fingerprint(examples, train, data,
-                               micro_batch_size * gradient_accumulation_steps * args.world_size, batching.mode)
+    args = _arguments(
+        train,
+        ckpt_root,
+        micro_batch_size,
+        gradient_accumulation_steps,
+        precision,
+        optim,
+        device,
+        has_eval=bool(eval_rows),
+    )
+    fingerprint = _fingerprint(
+        examples, train, data, micro_batch_size * gradient_accumulation_steps * args.world_size, batching.mode
+    )
     with args.main_process_first(desc="checkpoint discovery"):  # rank 0 alone removes or moves old ones
         resume_from, eval_before = _find_resume(ckpt_root, fingerprint, train.resume)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    collator = RowCollator(batching.mode, pad_id if pad_id is not None else 0,
-                           flash_varlen=batching.flash_varlen,
-                           pad_to_multiple_of=8 if device.type == "cuda" else None)
+    collator = RowCollator(
+        batching.mode,
+        pad_id if pad_id is not None else 0,
+        flash_varlen=batching.flash_varlen,
+        pad_to_multiple_of=8 if device.type == "cuda" else None,
+    )
     trainer = _SlimTrainer(
-        model=model, args=args, train_dataset=RowDataset(train_rows),
-        eval_dataset=RowDataset(eval_rows) if eval_rows else None, data_collator=collator,
-        callbacks=[LogCallback(), PrefectProgressCallback(key=f"{run_dir.name}-training"),
-                   *(callbacks or [])],
-        checkpoint_state={"fingerprint": fingerprint, "eval_loss_before": None,
-                          "micro_batch_size": micro_batch_size,
-                          "gradient_accumulation_steps": gradient_accumulation_steps})
+        model=model,
+        args=args,
+        train_dataset=RowDataset(train_rows),
+        eval_dataset=RowDataset(eval_rows) if eval_rows else None,
+        data_collator=collator,
+        callbacks=[LogCallback(), PrefectProgressCallback(key=f"{run_dir.name}-training"), *(callbacks or [])],
+        checkpoint_state={
+            "fingerprint": fingerprint,
+            "eval_loss_before": None,
+            "micro_batch_size": micro_batch_size,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+        },
+    )
     # The eval before training runs inside train() (eval_on_start), after DDP has wrapped the model: an
     # evaluate() before train() marks the model prepared, and accelerate then skips the DDP wrap (ranks
     # silently diverge: verified with 2 gloo ranks, transformers 5.23 + accelerate).
@@ -211,26 +253,34 @@ def train_adapter(model, tokenizer, examples: Examples, train: TrainSpec, data: 
     if trainer.is_world_process_zero():  # under DDP rank 0 alone writes the adapter and the report
         _save_adapter(model, tokenizer, adapter_dir)
     history = trainer.state.log_history
-    losses = [{"step": e["step"], "loss": e["loss"], "learning_rate": e.get("learning_rate")}
-              for e in history if "loss" in e]
+    losses = [
+        {"step": e["step"], "loss": e["loss"], "learning_rate": e.get("learning_rate")} for e in history if "loss" in e
+    ]
     trained = [e for e in history if "tokens_per_s" in e]
     report = TrainReport(
-        steps=trainer.state.global_step, losses=losses, eval_loss_before=eval_before,
+        steps=trainer.state.global_step,
+        losses=losses,
+        eval_loss_before=eval_before,
         eval_loss_after=eval_after,
         tokens_seen=trained[-1]["tokens"] if trained else 0,
         tokens_per_s=trainer.meter.total_tokens / max(train_seconds, 1e-9),
         padding_waste=1 - trainer.meter.total_tokens / max(trainer.meter.total_slots, 1),
         packing_efficiency=efficiency,
         batching=batching.mode + (" (flash varlen)" if batching.flash_varlen else ""),
-        batching_fallback=batching.fallback_reason, resumed_from=str(resume_from) if resume_from else None,
-        seconds=time.perf_counter() - start, micro_batch_size=micro_batch_size,
-        gradient_accumulation_steps=gradient_accumulation_steps, optimizer=optim, precision=precision,
-        adapter_dir=str(adapter_dir), data=examples.summary())
+        batching_fallback=batching.fallback_reason,
+        resumed_from=str(resume_from) if resume_from else None,
+        seconds=time.perf_counter() - start,
+        micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        optimizer=optim,
+        precision=precision,
+        adapter_dir=str(adapter_dir),
+        data=examples.summary(),
+    )
     if trainer.is_world_process_zero():
         atomic.write_json(run_dir / REPORT_FILE, asdict(report))
     trainer.accelerator.wait_for_everyone()  # no rank returns before the adapter exists
-    log.info("trained %d steps in %.1f s: eval loss %s -> %s", report.steps, report.seconds, eval_before,
-             eval_after)
+    log.info("trained %d steps in %.1f s: eval loss %s -> %s", report.steps, report.seconds, eval_before, eval_after)
     return report
 
 
@@ -267,35 +317,64 @@ class _OneDeviceArguments(TrainingArguments):
         return mine
 
 
-def _arguments(train: TrainSpec, output_dir: Path, micro_batch_size: int, accumulation: int, precision: str,
-               optim: str, device: torch.device, *, has_eval: bool) -> TrainingArguments:
+def _arguments(
+    train: TrainSpec,
+    output_dir: Path,
+    micro_batch_size: int,
+    accumulation: int,
+    precision: str,
+    optim: str,
+    device: torch.device,
+    *,
+    has_eval: bool,
+) -> TrainingArguments:
     evaluate = has_eval and train.eval_steps is not None
     return _OneDeviceArguments(
         train_device=str(device) if device.type == "cuda" else None,
-        output_dir=str(output_dir), per_device_train_batch_size=micro_batch_size,
-        per_device_eval_batch_size=micro_batch_size, gradient_accumulation_steps=accumulation,
-        learning_rate=train.learning_rate, lr_scheduler_type=scheduler_name(train.lr_scheduler),
-        warmup_steps=train.warmup_steps, num_train_epochs=train.epochs,
-        max_steps=train.max_steps if train.max_steps is not None else -1, optim=optim,
-        weight_decay=train.weight_decay, max_grad_norm=train.max_grad_norm, bf16=precision == "bf16",
-        fp16=precision == "fp16", seed=train.seed, data_seed=train.seed, logging_steps=train.logging_steps,
-        eval_strategy="steps" if evaluate else "no", eval_steps=train.eval_steps if evaluate else None,
-        save_strategy="steps", save_steps=train.save_steps, save_total_limit=train.save_total_limit,
+        output_dir=str(output_dir),
+        per_device_train_batch_size=micro_batch_size,
+        per_device_eval_batch_size=micro_batch_size,
+        gradient_accumulation_steps=accumulation,
+        learning_rate=train.learning_rate,
+        lr_scheduler_type=scheduler_name(train.lr_scheduler),
+        warmup_steps=train.warmup_steps,
+        num_train_epochs=train.epochs,
+        max_steps=train.max_steps if train.max_steps is not None else -1,
+        optim=optim,
+        weight_decay=train.weight_decay,
+        max_grad_norm=train.max_grad_norm,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        seed=train.seed,
+        data_seed=train.seed,
+        logging_steps=train.logging_steps,
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=train.eval_steps if evaluate else None,
+        save_strategy="steps",
+        save_steps=train.save_steps,
+        save_total_limit=train.save_total_limit,
         torch_empty_cache_steps=train.empty_cache_steps,
         # activation_checkpointing stays at its default (off): the model's own setting (configured by
         # attach_lora, possibly the offloaded variant) must not be replaced by Trainer's.
-        use_cpu=device.type == "cpu", report_to="none",
+        use_cpu=device.type == "cpu",
+        report_to="none",
         ddp_find_unused_parameters=False,  # every LoRA weight is used every step
-        remove_unused_columns=False, label_names=["labels"], dataloader_num_workers=0,
-        include_num_input_tokens_seen="no")
+        remove_unused_columns=False,
+        label_names=["labels"],
+        dataloader_num_workers=0,
+        include_num_input_tokens_seen="no",
+    )
 
 
-def _fingerprint(examples: Examples, train: TrainSpec, data: DataSpec, effective_batch: int,
-                 mode: str) -> str:
+def _fingerprint(examples: Examples, train: TrainSpec, data: DataSpec, effective_batch: int, mode: str) -> str:
     """Identifies what a checkpoint's training depends on, so a changed spec or data never resumes it."""
     h = hashlib.sha256()
-    settings = {"train": train.model_dump(exclude=_OPERATIONAL), "data": data.model_dump(),
-                "effective_batch": effective_batch, "batching": mode}
+    settings = {
+        "train": train.model_dump(exclude=_OPERATIONAL),
+        "data": data.model_dump(),
+        "effective_batch": effective_batch,
+        "batching": mode,
+    }
     h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     for e in examples.train:
         h.update(array("q", e.input_ids).tobytes())
@@ -313,8 +392,7 @@ def _find_resume(root: Path, fingerprint: str, resume: bool) -> tuple[Path | Non
     if resume and state.get("fingerprint") == fingerprint:
         log.info("resuming from %s (step %s)", latest, state.get("step"))
         return latest, state.get("eval_loss_before")
-    why = ("train.resume is false" if not resume
-           else "the data or training settings changed since it was written")
+    why = "train.resume is false" if not resume else "the data or training settings changed since it was written"
     aside = root.with_name(f"{root.name}.previous")
     shutil.rmtree(aside, ignore_errors=True)
     root.rename(aside)

@@ -15,13 +15,13 @@ import resource
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from faultlib import run_finetune, spec_dict  # noqa: E402
+from faultlib import run_finetune, spec_dict
 
 _RESULTS = Path(os.environ.get("SLIMTUNE_FAULTS_RESULTS", Path(__file__).with_name("results.json")))
 _rows: list[dict] = []
@@ -53,10 +53,18 @@ def pytest_runtest_makereport(item, call):
                 crash = getattr(report.longrepr, "reprcrash", None)
                 reason = (crash.message if crash else report.longreprtext).strip().splitlines()[0][:300]
         observed = "; ".join(v for k, v in item.user_properties if k == "observed")
-        _rows.append({
-            "id": item.nodeid, "fault": mark.args[0], "stage": mark.kwargs.get("stage", "all"),
-            "expect": mark.kwargs.get("expect", ""), "observed": observed, "outcome": outcome,
-            "reason": reason, "seconds": round(report.duration, 2)})
+        _rows.append(
+            {
+                "id": item.nodeid,
+                "fault": mark.args[0],
+                "stage": mark.kwargs.get("stage", "all"),
+                "expect": mark.kwargs.get("expect", ""),
+                "observed": observed,
+                "outcome": outcome,
+                "reason": reason,
+                "seconds": round(report.duration, 2),
+            }
+        )
     return report
 
 
@@ -67,9 +75,9 @@ def pytest_sessionfinish(session, exitstatus):
     import torch
 
     body = {
-        "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "generated": datetime.now(UTC).isoformat(timespec="seconds"),
         "platform": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
-                    f"Python {platform.python_version()}, torch {torch.__version__}",
+        f"Python {platform.python_version()}, torch {torch.__version__}",
         "wall_s": round(time.perf_counter() - _started, 1),
         # children: the Prefect server, worker and flow-run processes, counted once they were waited for
         "cpu_s": round(sum(u.ru_utime + u.ru_stime for u in usage), 1),
@@ -84,8 +92,10 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture
 def observe(request):
     """Record what the test saw (goes into the table's "observed" column)."""
+
     def _observe(text: str) -> None:
         request.node.user_properties.append(("observed", text))
+
     return _observe
 
 
@@ -115,8 +125,9 @@ def small_disk(tmp_path):
         where = tmp_path / f"disk{len(mounts)}"
         where.mkdir()
         # tmpfs rounds the size up to whole pages
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)], capture_output=True, text=True
+        )
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs to fill ({done.stderr.strip() or 'mount failed'}); run as root")
         mounts.append(where)

@@ -28,8 +28,14 @@ BASE_SPEC: dict[str, Any] = {
     "model": {"name_or_path": "builtin:tiny-llama", "device": "cpu"},
     "lora": {"r": 8, "alpha": 16, "gradient_checkpointing": False},
     "data": {"path": str(DATA), "max_seq_length": 128, "eval_fraction": 0.05},
-    "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 1, "learning_rate": 0.002,
-              "max_steps": 4, "save_steps": 2, "seed": 0},
+    "train": {
+        "micro_batch_size": 4,
+        "gradient_accumulation_steps": 1,
+        "learning_rate": 0.002,
+        "max_steps": 4,
+        "save_steps": 2,
+        "seed": 0,
+    },
     "export": {"gguf": ["f16"], "verify": False},
 }
 SAVE_STEPS = BASE_SPEC["train"]["save_steps"]
@@ -122,7 +128,7 @@ def check_published(run_dir: Path) -> list[str]:
         try:
             with safe_open(adapter, framework="pt") as f:
                 list(f.keys())
-        except Exception as e:  # noqa: BLE001 - any failure to open means a half-written adapter
+        except Exception as e:
             problems.append(f"adapter: {type(e).__name__}: {e}")
     return problems
 

@@ -31,9 +31,14 @@ def _maybe_kill(point: str, **facts: object) -> None:
         return
     run_dir = Path((plan / "run_dir.txt").read_text().strip())
     report = run_dir / "train_report.json"
-    snapshot = {"point": point, **facts, "tree": tree(run_dir), "leftovers": leftovers(run_dir),
-                "published_problems": check_published(run_dir),
-                "train_report": json.loads(report.read_text()) if report.is_file() else None}
+    snapshot = {
+        "point": point,
+        **facts,
+        "tree": tree(run_dir),
+        "leftovers": leftovers(run_dir),
+        "published_problems": check_published(run_dir),
+        "train_report": json.loads(report.read_text()) if report.is_file() else None,
+    }
     (plan / f"{pending[0].stem}.snapshot.json").write_text(json.dumps(snapshot, indent=1))
     pending[0].unlink()
     os.kill(os.getpid(), signal.SIGKILL)

@@ -23,8 +23,12 @@ _SPEC_CASES = [
     ("lora.alpha negative", {"lora": {"alpha": -1}}, "lora.alpha", "greater than 0"),
     ("lora.dropout >= 1", {"lora": {"dropout": 1.5}}, "lora.dropout", "less than 1"),
     ("lora.target_modules empty", {"lora": {"target_modules": []}}, "lora.target_modules", "non-empty list"),
-    ("lora.gradient_checkpointing bad", {"lora": {"gradient_checkpointing": "sometimes"}},
-     "lora.gradient_checkpointing", "unsloth"),
+    (
+        "lora.gradient_checkpointing bad",
+        {"lora": {"gradient_checkpointing": "sometimes"}},
+        "lora.gradient_checkpointing",
+        "unsloth",
+    ),
     ("lora.bias bad", {"lora": {"bias": "some"}}, "lora.bias", "lora_only"),
     ("lora unknown key", {"lora": {"rank": 8}}, "lora.rank", "unknown key; remove it"),
     ("top-level unknown key", {"trainer": {"lr": 1}}, "trainer", "unknown key; remove it"),
@@ -37,28 +41,59 @@ _SPEC_CASES = [
     ("train.save_steps zero", {"train": {"save_steps": 0}}, "train.save_steps", "greater than 0"),
     ("train.epochs zero", {"train": {"epochs": 0}}, "train.epochs", "greater than 0"),
     ("train.seed float", {"train": {"seed": 1.5}}, "train.seed", "integer"),
-    ("data.path missing file", {"data": {"path": "/nonexistent/chat.jsonl"}}, "data.path",
-     "give an existing .jsonl/.json/.parquet file"),
+    (
+        "data.path missing file",
+        {"data": {"path": "/nonexistent/chat.jsonl"}},
+        "data.path",
+        "give an existing .jsonl/.json/.parquet file",
+    ),
     ("data.path a directory", {"data": {"path": "/tmp"}}, "data.path", "give a data file"),
-    ("data.max_seq_length too small", {"data": {"max_seq_length": 8}}, "data.max_seq_length",
-     "greater than or equal to 16"),
+    (
+        "data.max_seq_length too small",
+        {"data": {"max_seq_length": 8}},
+        "data.max_seq_length",
+        "greater than or equal to 16",
+    ),
     ("data.eval_fraction too large", {"data": {"eval_fraction": 0.7}}, "data.eval_fraction", "less than 0.5"),
     ("data.packing unknown", {"data": {"packing": "zip"}}, "data.packing", "padding_free"),
-    ("merge.maximum_memory_usage > 0.95", {"merge": {"maximum_memory_usage": 1.2}},
-     "merge.maximum_memory_usage", "less than or equal to 0.95"),
-    ("gguf without merge", {"merge": {"enabled": False}, "export": {"gguf": ["f16"]}}, "merge.enabled",
-     "set export.gguf: []"),
-    ("fp16 with bf16 compute", {"train": {"precision": "fp16"}, "model": {"compute_dtype": "bfloat16"}},
-     "train.precision", "use bf16 for both or fp16 for both"),
+    (
+        "merge.maximum_memory_usage > 0.95",
+        {"merge": {"maximum_memory_usage": 1.2}},
+        "merge.maximum_memory_usage",
+        "less than or equal to 0.95",
+    ),
+    (
+        "gguf without merge",
+        {"merge": {"enabled": False}, "export": {"gguf": ["f16"]}},
+        "merge.enabled",
+        "set export.gguf: []",
+    ),
+    (
+        "fp16 with bf16 compute",
+        {"train": {"precision": "fp16"}, "model": {"compute_dtype": "bfloat16"}},
+        "train.precision",
+        "use bf16 for both or fp16 for both",
+    ),
     ("unknown GGUF type", {"export": {"gguf": ["q9"]}}, "export.gguf", "q4_k_m"),
-    ("push.repo_id without org", {"export": {"push": {"repo_id": "noslash"}}}, "export.push.repo_id",
-     "org/name"),
-    ("push without repo_id", {"export": {"push": {"private": True}}}, "export.push.repo_id",
-     "required field is missing"),
-    ("unknown builtin model", {"model": {"name_or_path": "builtin:tiny-gpt2"}}, "model.name_or_path",
-     "builtin:tiny-llama"),
-    ("missing local model dir", {"model": {"name_or_path": "./no-such-model"}}, "model.name_or_path",
-     "give an existing directory"),
+    ("push.repo_id without org", {"export": {"push": {"repo_id": "noslash"}}}, "export.push.repo_id", "org/name"),
+    (
+        "push without repo_id",
+        {"export": {"push": {"private": True}}},
+        "export.push.repo_id",
+        "required field is missing",
+    ),
+    (
+        "unknown builtin model",
+        {"model": {"name_or_path": "builtin:tiny-gpt2"}},
+        "model.name_or_path",
+        "builtin:tiny-llama",
+    ),
+    (
+        "missing local model dir",
+        {"model": {"name_or_path": "./no-such-model"}},
+        "model.name_or_path",
+        "give an existing directory",
+    ),
     ("model.device bad", {"model": {"device": "gpu0"}}, "model.device", "cuda:N"),
     ("model.compute_dtype bad", {"model": {"compute_dtype": "int8"}}, "model.compute_dtype", "bfloat16"),
     ("run name with spaces", {"name": "my run!"}, "name", "pattern"),
@@ -88,8 +123,11 @@ def _cli(argv: list[str], capsys) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("case,changes,field,fix", _SPEC_CASES, ids=[c[0] for c in _SPEC_CASES])
-@pytest.mark.fault("Bad input: malformed spec", stage="spec",
-                   expect="exit code 2 before any model is loaded; one line naming the field and the fix")
+@pytest.mark.fault(
+    "Bad input: malformed spec",
+    stage="spec",
+    expect="exit code 2 before any model is loaded; one line naming the field and the fix",
+)
 def test_bad_spec(tmp_path, capsys, observe, case, changes, field, fix):
     code, err = _cli(["run", _write(tmp_path, changes)], capsys)
     # a combination of fields is reported at the top level, naming both fields in the text
@@ -100,8 +138,11 @@ def test_bad_spec(tmp_path, capsys, observe, case, changes, field, fix):
     assert fix in line, f"the line for {field} does not say how to fix it ({fix!r}):\n{line}"
 
 
-@pytest.mark.fault("Bad input: malformed spec", stage="spec",
-                   expect="k-quants without the llama.cpp extra: fails at validation with the pip command")
+@pytest.mark.fault(
+    "Bad input: malformed spec",
+    stage="spec",
+    expect="k-quants without the llama.cpp extra: fails at validation with the pip command",
+)
 def test_kquant_without_llama_cpp(tmp_path, capsys, monkeypatch, observe):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # find_spec() now reports it as not installed
     code, err = _cli(["validate", _write(tmp_path, {"export": {"gguf": ["q4_k_m"]}})], capsys)
@@ -110,8 +151,11 @@ def test_kquant_without_llama_cpp(tmp_path, capsys, monkeypatch, observe):
     assert code == EXIT_INVALID_SPEC and "pip install 'slimtune[llama-cpp]'" in line, err
 
 
-@pytest.mark.parametrize("text,where", [("- just\n- a list\n", "mapping"), ("lora: {r: 8\n", "not valid YAML")],
-                         ids=["not a mapping", "YAML syntax error"])
+@pytest.mark.parametrize(
+    "text,where",
+    [("- just\n- a list\n", "mapping"), ("lora: {r: 8\n", "not valid YAML")],
+    ids=["not a mapping", "YAML syntax error"],
+)
 @pytest.mark.fault("Bad input: malformed spec", stage="spec", expect="exit code 2 with what is wrong")
 def test_unreadable_spec(tmp_path, capsys, observe, text, where):
     path = tmp_path / "spec.yaml"
@@ -125,17 +169,23 @@ _GOOD = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", 
 _DATA_CASES = [
     ("bad JSON line", (_GOOD * 2 + '{"messages": [oops]}\n').encode(), ":3:", "not valid JSON"),
     ("missing field", (_GOOD + '{"conversation": []}\n').encode(), ":2:", "data.messages_field"),
-    ("message without content", (_GOOD + '{"messages": [{"role": "user"}]}\n').encode(), ":2:",
-     "messages[0].content"),
+    ("message without content", (_GOOD + '{"messages": [{"role": "user"}]}\n').encode(), ":2:", "messages[0].content"),
     ("empty file", b"", ":1:", "empty"),
-    ("not UTF-8", (_GOOD + '{"messages": [{"role": "user", "content": "caf').encode() + b"\xe9\xff"
-     + b'"}]}\n', ":2:", "not UTF-8"),
+    (
+        "not UTF-8",
+        (_GOOD + '{"messages": [{"role": "user", "content": "caf').encode() + b"\xe9\xff" + b'"}]}\n',
+        ":2:",
+        "not UTF-8",
+    ),
 ]
 
 
 @pytest.mark.parametrize("case,content,where,fix", _DATA_CASES, ids=[c[0] for c in _DATA_CASES])
-@pytest.mark.fault("Bad input: malformed dataset file", stage="data",
-                   expect="the flow fails before load_4bit starts, naming file:line and the fix")
+@pytest.mark.fault(
+    "Bad input: malformed dataset file",
+    stage="data",
+    expect="the flow fails before load_4bit starts, naming file:line and the fix",
+)
 def test_bad_data(tmp_path, prefect_harness, observe, case, content, where, fix):
     data = tmp_path / "data.jsonl"
     data.write_bytes(content)

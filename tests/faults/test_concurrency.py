@@ -27,8 +27,11 @@ def gpu_limit(prefect_harness):
         client.delete_global_concurrency_limit_by_name("gpu")
 
 
-@pytest.mark.fault("Concurrency: two runs, one GPU slot", stage="all",
-                   expect="the second run's stages start after the first run's stages end")
+@pytest.mark.fault(
+    "Concurrency: two runs, one GPU slot",
+    stage="all",
+    expect="the second run's stages start after the first run's stages end",
+)
 def test_two_runs_on_one_slot_do_not_overlap(tmp_path, gpu_limit, observe):
     spans: list[tuple[str, str, float, float]] = []
     errors: list[BaseException] = []
@@ -36,7 +39,7 @@ def test_two_runs_on_one_slot_do_not_overlap(tmp_path, gpu_limit, observe):
     def run(name: str) -> None:
         try:
             run_finetune({**spec_dict(tmp_path, **WIRING_ONLY), "name": name})
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread below
+        except BaseException as e:
             errors.append(e)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -47,8 +50,9 @@ def test_two_runs_on_one_slot_do_not_overlap(tmp_path, gpu_limit, observe):
         for t in threads:
             t.join(timeout=300)
     assert not errors, errors
-    windows = {n: (min(s[2] for s in spans if s[0] == n), max(s[3] for s in spans if s[0] == n))
-               for n in ("first", "second")}
+    windows = {
+        n: (min(s[2] for s in spans if s[0] == n), max(s[3] for s in spans if s[0] == n)) for n in ("first", "second")
+    }
     (a0, a1), (b0, b1) = sorted(windows.values())
     overlap = max(0.0, min(a1, b1) - b0)
     observe(f"GPU-stage windows overlap by {overlap:.1f} s")

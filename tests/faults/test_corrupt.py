@@ -37,8 +37,11 @@ def truncated_base(tmp_path):
     return base, shard
 
 
-@pytest.mark.fault("Corrupted input: truncated safetensors shard", stage="load_4bit",
-                   expect="our error naming the shard and saying it is truncated")
+@pytest.mark.fault(
+    "Corrupted input: truncated safetensors shard",
+    stage="load_4bit",
+    expect="our error naming the shard and saying it is truncated",
+)
 def test_truncated_base_shard_at_load(truncated_base, tmp_path, observe):
     base, shard = truncated_base
     spec = parse_spec(spec_dict(tmp_path / "runs", model={"name_or_path": str(base), "device": "cpu"}))
@@ -48,8 +51,11 @@ def test_truncated_base_shard_at_load(truncated_base, tmp_path, observe):
     assert _is_ours(err.value) and str(shard) in str(err.value), repr(err.value)
 
 
-@pytest.mark.fault("Corrupted input: truncated safetensors shard", stage="dequant_merge",
-                   expect="MergeError/OSError naming the shard; nothing published")
+@pytest.mark.fault(
+    "Corrupted input: truncated safetensors shard",
+    stage="dequant_merge",
+    expect="MergeError/OSError naming the shard; nothing published",
+)
 def test_truncated_base_shard_at_merge(truncated_base, reference_run, tmp_path, observe):
     base, shard = truncated_base
     out = tmp_path / "merged"
@@ -60,8 +66,11 @@ def test_truncated_base_shard_at_merge(truncated_base, reference_run, tmp_path, 
     assert not out.exists() and not list(tmp_path.glob(".merged*"))
 
 
-@pytest.mark.fault("Corrupted input: adapter shapes do not match the base", stage="dequant_merge",
-                   expect="AdapterMismatchError listing the tensor and both shapes, before writing")
+@pytest.mark.fault(
+    "Corrupted input: adapter shapes do not match the base",
+    stage="dequant_merge",
+    expect="AdapterMismatchError listing the tensor and both shapes, before writing",
+)
 def test_adapter_shape_mismatch(reference_run, tmp_path, observe):
     adapter = tmp_path / "adapter"
     shutil.copytree(reference_run["run_dir"] / "adapter", adapter)
@@ -78,8 +87,11 @@ def test_adapter_shape_mismatch(reference_run, tmp_path, observe):
     assert not out.exists() and not list(tmp_path.glob(".merged*"))
 
 
-@pytest.mark.fault("Corrupted input: GGUF cut short", stage="gguf_convert_and_push",
-                   expect="GGUFVerifyError naming the file and its size, advising to re-run the conversion")
+@pytest.mark.fault(
+    "Corrupted input: GGUF cut short",
+    stage="gguf_convert_and_push",
+    expect="GGUFVerifyError naming the file and its size, advising to re-run the conversion",
+)
 def test_gguf_cut_short(reference_run, tmp_path, observe):
     gguf = tmp_path / "faults-f16.gguf"
     data = (reference_run["run_dir"] / "gguf" / "faults-f16.gguf").read_bytes()

@@ -15,8 +15,8 @@ from faultlib import fill, leftovers, spec_dict
 import slimtune.merge.run as merge_run
 import slimtune.tasks.gguf_convert_and_push as gguf_task_mod
 from slimtune import registry
-from slimtune.model_source import local_model_dir
 from slimtune.flows.stages import dequant_merge_task, packed_sft_task
+from slimtune.model_source import local_model_dir
 from slimtune.spec import parse_spec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
@@ -32,8 +32,11 @@ def _clear(message: str, path) -> bool:
     return str(path) in message and bool(_SPACE.search(message))
 
 
-@pytest.mark.fault("Disk full", stage="packed_sft (checkpoint)",
-                   expect="error naming the checkpoint path and the space needed; no checkpoint published")
+@pytest.mark.fault(
+    "Disk full",
+    stage="packed_sft (checkpoint)",
+    expect="error naming the checkpoint path and the space needed; no checkpoint published",
+)
 def test_disk_full_during_checkpoint(small_disk, observe):
     disk = small_disk(64 * _MIB)
     spec = parse_spec(spec_dict(disk, train={"max_steps": 2, "save_steps": 2}))
@@ -57,8 +60,11 @@ def test_disk_full_during_checkpoint(small_disk, observe):
     assert _clear(message, spec.run_dir()), message
 
 
-@pytest.mark.fault("Disk full", stage="dequant_merge",
-                   expect="DiskSpaceError naming the path and the GiB needed; no merged/ and no temporary folder")
+@pytest.mark.fault(
+    "Disk full",
+    stage="dequant_merge",
+    expect="DiskSpaceError naming the path and the GiB needed; no merged/ and no temporary folder",
+)
 def test_disk_full_during_merge(small_disk, reference_run, observe):
     disk = small_disk(96 * _MIB)  # the merge's preflight wants ~75 MiB (output + spill bound + slack)
     spec = parse_spec(spec_dict(disk))
@@ -79,8 +85,11 @@ def test_disk_full_during_merge(small_disk, reference_run, observe):
     assert [p for p in leftovers(spec.run_dir()) if p.startswith(".merged")] == []
 
 
-@pytest.mark.fault("Disk full", stage="dequant_merge (preflight)",
-                   expect="DiskSpaceError before any byte is written, naming the path and the space needed")
+@pytest.mark.fault(
+    "Disk full",
+    stage="dequant_merge (preflight)",
+    expect="DiskSpaceError before any byte is written, naming the path and the space needed",
+)
 def test_disk_too_small_for_merge(small_disk, reference_run, observe):
     disk = small_disk(4 * _MIB)
     spec = parse_spec(spec_dict(disk))
@@ -93,8 +102,11 @@ def test_disk_too_small_for_merge(small_disk, reference_run, observe):
     assert not spec.run_dir().exists() or [p for p in leftovers(spec.run_dir()) if p.startswith(".merged")] == []
 
 
-@pytest.mark.fault("Disk full", stage="gguf_convert_and_push",
-                   expect="error naming the GGUF path and the space needed; no partial .gguf")
+@pytest.mark.fault(
+    "Disk full",
+    stage="gguf_convert_and_push",
+    expect="error naming the GGUF path and the space needed; no partial .gguf",
+)
 def test_disk_full_during_gguf(small_disk, reference_run, observe):
     disk = small_disk(16 * _MIB)
     spec = parse_spec(spec_dict(disk))

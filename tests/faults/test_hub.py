@@ -20,7 +20,7 @@ from slimtune.spec import parse_spec
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hub_server import FakeHub  # noqa: E402
+from hub_server import FakeHub
 
 TOKEN = "hf_faultmatrixSECRET0123456789"
 _REPO = "org/faults"
@@ -41,8 +41,7 @@ def hub(monkeypatch):
 
 
 def _push(reference_run, tmp_path):
-    spec = parse_spec(spec_dict(tmp_path, export={"gguf": ["f16"], "verify": False,
-                                                  "push": {"repo_id": _REPO}}))
+    spec = parse_spec(spec_dict(tmp_path, export={"gguf": ["f16"], "verify": False, "push": {"repo_id": _REPO}}))
     run = reference_run["run_dir"]
     summary = {"spec": spec.model_dump(mode="json"), "train": {"steps": 4}}
     return spec, gguf_convert_and_push(spec, run / "merged", run / "adapter", summary)
@@ -55,8 +54,11 @@ def _token_leaks(caplog, tmp_path, *texts: str) -> list[str]:
     return where
 
 
-@pytest.mark.fault("Hub failure: 5xx then success", stage="gguf_convert_and_push",
-                   expect="retried after a backoff; one commit with the GGUF; token in no log, result or file")
+@pytest.mark.fault(
+    "Hub failure: 5xx then success",
+    stage="gguf_convert_and_push",
+    expect="retried after a backoff; one commit with the GGUF; token in no log, result or file",
+)
 def test_5xx_then_success(hub, reference_run, tmp_path, caplog, observe):
     hub.fail_next(r"/commit/main$", 503, times=1, body="busy, retry later ({authorization})")
     caplog.set_level(logging.DEBUG)
@@ -73,10 +75,14 @@ def test_5xx_then_success(hub, reference_run, tmp_path, caplog, observe):
     assert _token_leaks(caplog, tmp_path, json.dumps(result.to_dict())) == []
 
 
-@pytest.mark.parametrize("status,path", [(401, None), (403, r"^/api/repos/create$"), (404, r"/commit/main$")],
-                         ids=["401", "403", "404"])
-@pytest.mark.fault("Hub failure: 401/403/404", stage="gguf_convert_and_push",
-                   expect="PushError at the first attempt with what to do; token in no log, message or file")
+@pytest.mark.parametrize(
+    "status,path", [(401, None), (403, r"^/api/repos/create$"), (404, r"/commit/main$")], ids=["401", "403", "404"]
+)
+@pytest.mark.fault(
+    "Hub failure: 401/403/404",
+    stage="gguf_convert_and_push",
+    expect="PushError at the first attempt with what to do; token in no log, message or file",
+)
 def test_client_errors_fail_at_once(hub, reference_run, tmp_path, caplog, monkeypatch, observe, status, path):
     if status == 401:
         hub.token = "hf_the_right_one"  # ours is now wrong: the Hub answers 401

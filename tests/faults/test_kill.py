@@ -47,8 +47,9 @@ def chain(tmp_path_factory, request, reference_run):
         (plan / f"{n}-{point}.kill").touch()
     # The worker's flow runs import kill_flow from this folder, and read the kill plan from the environment.
     pythonpath = os.pathsep.join([str(_HERE), str(_REPO), os.environ.get("PYTHONPATH", "")])
-    server = start_server(home, request.addfinalizer,
-                          extra_env={"PYTHONPATH": pythonpath, "SLIMTUNE_FAULT_PLAN": str(plan)})
+    server = start_server(
+        home, request.addfinalizer, extra_env={"PYTHONPATH": pythonpath, "SLIMTUNE_FAULT_PLAN": str(plan)}
+    )
     url = server.url
 
     import kill_flow
@@ -58,17 +59,22 @@ def chain(tmp_path_factory, request, reference_run):
 
     with temporary_settings({PREFECT_API_URL: url}):
         with get_client(sync_client=True) as client:
-            client.create_work_pool(WorkPoolCreate(
-                name=_POOL, type="process", base_job_template=ProcessWorker.get_default_base_job_template()))
-        deployment_id = kill_flow.finetune.from_source(source=str(_HERE), entrypoint="kill_flow.py:finetune") \
-            .deploy(name="faults", work_pool_name=_POOL, print_next_steps=False)
+            client.create_work_pool(
+                WorkPoolCreate(
+                    name=_POOL, type="process", base_job_template=ProcessWorker.get_default_base_job_template()
+                )
+            )
+        deployment_id = kill_flow.finetune.from_source(source=str(_HERE), entrypoint="kill_flow.py:finetune").deploy(
+            name="faults", work_pool_name=_POOL, print_next_steps=False
+        )
         worker = start_worker(server, _POOL, request.addfinalizer)
 
         def wait(count: int) -> list:
             deadline = time.monotonic() + _CHAIN_TIMEOUT_S
             while time.monotonic() < deadline and worker.poll() is None:
                 runs = client.read_flow_runs(
-                    deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+                    deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
+                )
                 if len(runs) >= count and all(r.state and r.state.is_final() for r in runs):
                     return sorted(runs, key=lambda r: r.created)
                 time.sleep(1)
@@ -79,8 +85,9 @@ def chain(tmp_path_factory, request, reference_run):
             runs = wait(3)
             time.sleep(3)  # a 4th run here would be a hook that ignored its bound
             runs = wait(3)
-            killed = {p.name.split(".")[0].split("-", 1)[1]: json.loads(p.read_text())
-                      for p in plan.glob("*.snapshot.json")}
+            killed = {
+                p.name.split(".")[0].split("-", 1)[1]: json.loads(p.read_text()) for p in plan.glob("*.snapshot.json")
+            }
             client.create_flow_run_from_deployment(deployment_id, parameters={"spec": spec_dict(out)})
             runs = wait(4)
     return {"runs": runs, "killed": killed, "run_dir": run_dir, "logs": logs(), "plan": plan}
@@ -90,9 +97,12 @@ def _state(run) -> str:
     return run.state.type.value if run.state else "?"
 
 
-@pytest.mark.fault("Process killed (SIGKILL)", stage="packed_sft",
-                   expect="crash hook re-submits; training resumes from the last checkpoint, losing at most "
-                          "one checkpoint interval; adapter equal to a clean run within 2e-2")
+@pytest.mark.fault(
+    "Process killed (SIGKILL)",
+    stage="packed_sft",
+    expect="crash hook re-submits; training resumes from the last checkpoint, losing at most "
+    "one checkpoint interval; adapter equal to a clean run within 2e-2",
+)
 def test_kill_during_training(chain, reference_run, observe):
     runs, killed = chain["runs"], chain["killed"]
     assert [_state(r) for r in runs[:3]] == ["CRASHED"] * 3, ([_state(r) for r in runs], chain["logs"])
@@ -108,14 +118,18 @@ def test_kill_during_training(chain, reference_run, observe):
     assert 0 <= lost <= SAVE_STEPS
     assert resumed["steps"] == 4 and resumed["micro_batch_size"] == 2
     worst, rel = adapter_diff(chain["run_dir"] / "adapter", reference_run["run_dir"] / "adapter")
-    observe(f"killed at step {snap['global_step']}, resumed from step {SAVE_STEPS} ({lost} step lost) at "
-            f"micro-batch 2; adapter vs clean run: relative L2 {rel:.1e}")
+    observe(
+        f"killed at step {snap['global_step']}, resumed from step {SAVE_STEPS} ({lost} step lost) at "
+        f"micro-batch 2; adapter vs clean run: relative L2 {rel:.1e}"
+    )
     assert rel < TRAIN_RTOL  # the re-submitted run halves the micro-batch; see faultlib.TRAIN_RTOL
 
 
-@pytest.mark.fault("Process killed (SIGKILL)", stage="dequant_merge",
-                   expect="merged/ never published half-written; the re-run cleans the temporary folder "
-                          "and merges again")
+@pytest.mark.fault(
+    "Process killed (SIGKILL)",
+    stage="dequant_merge",
+    expect="merged/ never published half-written; the re-run cleans the temporary folder and merges again",
+)
 def test_kill_during_merge(chain, observe):
     snap = chain["killed"]["merge_write"]
     assert not any(k.startswith("merged/") for k in snap["tree"]), "merged/ existed while a shard was half written"
@@ -123,16 +137,20 @@ def test_kill_during_merge(chain, observe):
     assert tmp, f"the kill did not land inside the merge's temporary folder: {snap['leftovers']}"
     assert snap["published_problems"] == []
     final = chain["run_dir"]
-    observe(f"at the kill: {tmp[0].split('/')[0]} held the partial shard; after the re-runs: leftovers "
-            f"{leftovers(final) or 'none'}")
+    observe(
+        f"at the kill: {tmp[0].split('/')[0]} held the partial shard; after the re-runs: leftovers "
+        f"{leftovers(final) or 'none'}"
+    )
     assert check_published(final) == []
     stale = [p for p in leftovers(final) if p.startswith(".merged")]
     assert stale == [], f"temporary merge folders of the killed run are still there: {stale}"
 
 
-@pytest.mark.fault("Process killed (SIGKILL)", stage="gguf_convert_and_push",
-                   expect="no half-written .gguf published; the re-run cleans the temporary file and "
-                          "completes")
+@pytest.mark.fault(
+    "Process killed (SIGKILL)",
+    stage="gguf_convert_and_push",
+    expect="no half-written .gguf published; the re-run cleans the temporary file and completes",
+)
 def test_kill_during_gguf(chain, reference_run, observe):
     snap = chain["killed"]["gguf_write"]
     assert not any(k.startswith("gguf/") and k.endswith(".gguf") and "/." not in k for k in snap["tree"])
@@ -146,8 +164,11 @@ def test_kill_during_gguf(chain, reference_run, observe):
     assert [p for p in leftovers(final) if p.startswith("gguf/")] == []
 
 
-@pytest.mark.fault("Process killed (SIGKILL)", stage="all",
-                   expect="after the re-run no temporary file or folder is left anywhere in the run dir")
+@pytest.mark.fault(
+    "Process killed (SIGKILL)",
+    stage="all",
+    expect="after the re-run no temporary file or folder is left anywhere in the run dir",
+)
 def test_kill_leaves_no_temporaries(chain, observe):
     final = chain["run_dir"]
     assert chain["runs"][3].state.is_completed(), chain["logs"]

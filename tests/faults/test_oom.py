@@ -12,7 +12,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from faultlib import TRAIN_RTOL, WIRING_ONLY, Once, adapter_diff, oom, run_finetune, sha256, spec_dict, stub_model_stages
+from faultlib import (
+    TRAIN_RTOL,
+    WIRING_ONLY,
+    Once,
+    adapter_diff,
+    oom,
+    run_finetune,
+    sha256,
+    spec_dict,
+    stub_model_stages,
+)
 
 import slimtune.export.gguf_convert as gguf_convert
 import slimtune.merge.stream as merge_stream
@@ -23,12 +33,12 @@ from slimtune.memory import MemoryPressure
 from slimtune.train.trainer import _SlimTrainer
 
 
-
 def _raise_on(counter: Once, where: str, real):
     def wrapper(*args, **kwargs):
         if counter():
             raise oom(where)
         return real(*args, **kwargs)
+
     return wrapper
 
 
@@ -36,21 +46,33 @@ def _raise_on(counter: Once, where: str, real):
 def five_stage_oom(tmp_path_factory, reference_run):
     """One run in which load_4bit, attach_lora, dequant_merge and gguf_convert_and_push each OOM once."""
     out = tmp_path_factory.mktemp("oom5")
-    counters = {"load_4bit": Once(1), "attach_lora": Once(1), "dequant_merge": Once(5),
-                "gguf_convert_and_push": Once(10)}
+    counters = {
+        "load_4bit": Once(1),
+        "attach_lora": Once(1),
+        "dequant_merge": Once(5),
+        "gguf_convert_and_push": Once(10),
+    }
     with pytest.MonkeyPatch.context() as mp:
         # while from_pretrained computes where the weights go, i.e. before the allocation that fails
-        mp.setattr(load_4bit_mod, "max_memory_with_headroom",
-                   _raise_on(counters["load_4bit"], "load_4bit", load_4bit_mod.max_memory_with_headroom))
+        mp.setattr(
+            load_4bit_mod,
+            "max_memory_with_headroom",
+            _raise_on(counters["load_4bit"], "load_4bit", load_4bit_mod.max_memory_with_headroom),
+        )
         # after peft has injected LoRA into the base model in place, when checkpointing allocates its buffers
-        mp.setattr(attach_lora_mod, "enable_checkpointing",
-                   _raise_on(counters["attach_lora"], "attach_lora", attach_lora_mod.enable_checkpointing))
+        mp.setattr(
+            attach_lora_mod,
+            "enable_checkpointing",
+            _raise_on(counters["attach_lora"], "attach_lora", attach_lora_mod.enable_checkpointing),
+        )
         # at the 5th tensor: the temporary output folder exists and holds finished tensors
-        mp.setattr(merge_stream.TensorMerger, "merged_raw",
-                   _raise_on(counters["dequant_merge"], "dequant_merge", merge_stream.TensorMerger.merged_raw))
+        mp.setattr(
+            merge_stream.TensorMerger,
+            "merged_raw",
+            _raise_on(counters["dequant_merge"], "dequant_merge", merge_stream.TensorMerger.merged_raw),
+        )
         # at the 10th tensor: the temporary GGUF file is half written
-        mp.setattr(gguf_convert, "_encode",
-                   _raise_on(counters["gguf_convert_and_push"], "gguf", gguf_convert._encode))
+        mp.setattr(gguf_convert, "_encode", _raise_on(counters["gguf_convert_and_push"], "gguf", gguf_convert._encode))
         summary = run_finetune(spec_dict(out))
     return {"run_dir": out / "faults", "summary": summary, "counters": counters}
 
@@ -103,14 +125,18 @@ def test_oom_attach_lora(five_stage_oom, reference_run, observe):
     cfg = json.loads((got / "adapter/adapter_config.json").read_text())
     ref_cfg = json.loads((ref / "adapter/adapter_config.json").read_text())
     assert cfg["target_modules"] == ref_cfg["target_modules"]
-    assert five_stage_oom["summary"]["attach_lora"]["trainable_parameters"] == \
-        reference_run["summary"]["attach_lora"]["trainable_parameters"]
+    assert (
+        five_stage_oom["summary"]["attach_lora"]["trainable_parameters"]
+        == reference_run["summary"]["attach_lora"]["trainable_parameters"]
+    )
     assert sha256(got / "adapter/adapter_model.safetensors") == sha256(ref / "adapter/adapter_model.safetensors")
 
 
-@pytest.mark.fault("Out of memory", stage="packed_sft",
-                   expect="retried with half the micro-batch; adapter equal to a clean run within 2e-2 "
-                          "(fp32 summation order)")
+@pytest.mark.fault(
+    "Out of memory",
+    stage="packed_sft",
+    expect="retried with half the micro-batch; adapter equal to a clean run within 2e-2 (fp32 summation order)",
+)
 def test_oom_packed_sft(train_oom, reference_run, observe):
     record = _check_retried(train_oom, "packed_sft", train_oom["counter"].fired, observe)
     assert any("micro-batch 4 -> 2" in d for d in record["downshifts"]), record["downshifts"]
@@ -139,12 +165,13 @@ def test_oom_cleanup(tmp_path, prefect_harness, observe):
     assert record["attempts"] == 2
 
 
-@pytest.mark.fault("Out of memory", stage="dequant_merge",
-                   expect="retried with maximum_memory_usage 0.1 lower; merged shards byte-identical; "
-                          "no temporary folder left")
+@pytest.mark.fault(
+    "Out of memory",
+    stage="dequant_merge",
+    expect="retried with maximum_memory_usage 0.1 lower; merged shards byte-identical; no temporary folder left",
+)
 def test_oom_dequant_merge(five_stage_oom, reference_run, observe):
-    record = _check_retried(five_stage_oom, "dequant_merge", five_stage_oom["counters"]["dequant_merge"].fired,
-                            observe)
+    record = _check_retried(five_stage_oom, "dequant_merge", five_stage_oom["counters"]["dequant_merge"].fired, observe)
     assert any("0.90 -> 0.80" in d for d in record["downshifts"]), record["downshifts"]
     got, ref = five_stage_oom["run_dir"], reference_run["run_dir"]
     shards = sorted(p.name for p in (ref / "merged").glob("*.safetensors"))
@@ -154,11 +181,13 @@ def test_oom_dequant_merge(five_stage_oom, reference_run, observe):
     assert not list(got.glob(".merged*")), list(got.glob(".merged*"))
 
 
-@pytest.mark.fault("Out of memory", stage="gguf_convert_and_push",
-                   expect="retried; GGUF byte-identical; no temporary file left")
+@pytest.mark.fault(
+    "Out of memory", stage="gguf_convert_and_push", expect="retried; GGUF byte-identical; no temporary file left"
+)
 def test_oom_gguf(five_stage_oom, reference_run, observe):
-    _check_retried(five_stage_oom, "gguf_convert_and_push",
-                   five_stage_oom["counters"]["gguf_convert_and_push"].fired, observe)
+    _check_retried(
+        five_stage_oom, "gguf_convert_and_push", five_stage_oom["counters"]["gguf_convert_and_push"].fired, observe
+    )
     got, ref = five_stage_oom["run_dir"] / "gguf", reference_run["run_dir"] / "gguf"
     assert sha256(got / "faults-f16.gguf") == sha256(ref / "faults-f16.gguf")
     assert not [p.name for p in got.iterdir() if p.name.startswith(".")]

@@ -7,10 +7,10 @@ import torch
 if not torch.cuda.is_available():  # Triton reads this when the kernels are decorated, i.e. at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from slimtune.kernels import KERNEL_NAMES, apply_kernels, resolve_selection  # noqa: E402
-from slimtune.tiny import FAMILIES, build_model, save_tiny  # noqa: E402
+from slimtune.kernels import KERNEL_NAMES, apply_kernels, resolve_selection
+from slimtune.tiny import FAMILIES, build_model, save_tiny
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -95,8 +95,12 @@ def tiny_qlora(tmp_path_factory):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     path = save_tiny(tmp_path_factory.mktemp("tiny") / "llama", "llama", num_hidden_layers=1)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
     base = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.float32)
     config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
     model = get_peft_model(base, config)

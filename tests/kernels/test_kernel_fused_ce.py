@@ -7,9 +7,9 @@ import torch
 if not torch.cuda.is_available():  # Triton reads this when the kernels are decorated, i.e. at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from slimtune.kernels.fused_linear_ce import (  # noqa: E402
+from slimtune.kernels.fused_linear_ce import (
     causal_lm_loss,
     chunk_tokens_for,
     fused_linear_cross_entropy,
@@ -53,8 +53,8 @@ def test_fused_ce_bf16_within_rounding():
     # logits are bf16 (as HF's lm_head produces them): each off by up to 2**-8 relative, ~0.02 absolute
     # here; the mean loss averages those errors, the gradients carry one more bf16 rounding
     torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(dh.float(), ref_dh, rtol=2 ** -5, atol=2e-3)
-    torch.testing.assert_close(dw.float(), ref_dw, rtol=2 ** -5, atol=2e-3)
+    torch.testing.assert_close(dh.float(), ref_dh, rtol=2**-5, atol=2e-3)
+    torch.testing.assert_close(dw.float(), ref_dw, rtol=2**-5, atol=2e-3)
 
 
 def test_ignored_tokens_get_zero_gradient_and_all_ignored_gives_zero():

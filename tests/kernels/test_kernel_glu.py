@@ -7,9 +7,9 @@ import torch
 if not torch.cuda.is_available():  # Triton reads this when the kernels are decorated, i.e. at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from slimtune.kernels.swiglu import ACTIVATIONS, gated_act, geglu, reference_gated_act, swiglu  # noqa: E402
+from slimtune.kernels.swiglu import ACTIVATIONS, gated_act, geglu, reference_gated_act, swiglu
 
 
 def _run(fn, gate, up, act, dh):
@@ -41,16 +41,16 @@ def test_gated_bf16_within_rounding(act):
     for a, b in zip(got, ref):
         # act(g) is rounded to bf16 before the product (as eager does), then the product: two roundings,
         # each up to 2**-7 relative (truncating in the interpreter), hence 2**-6
-        torch.testing.assert_close(a.float(), b, rtol=2 ** -6, atol=2 ** -6)
+        torch.testing.assert_close(a.float(), b, rtol=2**-6, atol=2**-6)
 
 
 def test_named_wrappers_pick_the_activation():
     gate, up = torch.randn(4, 32), torch.randn(4, 32)
     torch.testing.assert_close(swiglu(gate, up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(geglu(gate, up), torch.nn.functional.gelu(gate, approximate="tanh") * up,
-                               rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(geglu(gate, up, "none"), torch.nn.functional.gelu(gate) * up,
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        geglu(gate, up), torch.nn.functional.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(geglu(gate, up, "none"), torch.nn.functional.gelu(gate) * up, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="not supported"):
         gated_act(gate, up, "relu")
 

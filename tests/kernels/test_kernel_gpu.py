@@ -9,7 +9,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 H, I, V, T, HQ, HK, D = 4096, 14336, 128256, 2048, 32, 8, 128
-BF16_REL = 2 ** -6  # two bf16 roundings (8 significant bits each)
+BF16_REL = 2**-6  # two bf16 roundings (8 significant bits each)
 
 
 def _cuda():
@@ -36,7 +36,7 @@ def test_rms_norm_8b(gemma):
     torch.testing.assert_close(y.float(), y32, rtol=BF16_REL, atol=BF16_REL)
     torch.testing.assert_close(x.grad.float(), x32.grad, rtol=BF16_REL, atol=BF16_REL)
     # dw sums 4096 rows: relative norm error, bf16 output rounding dominates
-    assert _rel_err(w.grad, w32.grad) < 2 ** -7
+    assert _rel_err(w.grad, w32.grad) < 2**-7
 
 
 def test_rope_8b_packed():
@@ -45,11 +45,20 @@ def test_rope_8b_packed():
 
     from slimtune.kernels.rope import reference_rope, rope_
 
-    cfg = LlamaConfig(hidden_size=H, num_attention_heads=HQ, num_key_value_heads=HK,
-                      max_position_embeddings=131072,
-                      rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                         "original_max_position_embeddings": 8192})
+    cfg = LlamaConfig(
+        hidden_size=H,
+        num_attention_heads=HQ,
+        num_key_value_heads=HK,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     rotary = LlamaRotaryEmbedding(cfg).to(_cuda())
     # two packed examples per row: positions restart at 0 in the middle
     pos = torch.cat([torch.arange(T // 2 + 7), torch.arange(T - T // 2 - 7)])
@@ -109,7 +118,7 @@ def test_fused_ce_8b_matches_and_never_builds_full_logits():
     ref = reference_linear_cross_entropy(h32, weight.float(), labels)
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-3, atol=1e-3)  # bf16 logits, averaged over 5461 tokens
-    assert _rel_err(hidden.grad, h32.grad) < 2 ** -6
+    assert _rel_err(hidden.grad, h32.grad) < 2**-6
 
 
 def test_nf4_8b_bit_exact_with_bitsandbytes_cuda():
@@ -144,7 +153,7 @@ def test_lora_nf4_linear_8b(shape):
     y32 = x32 @ wd.t() + 2.0 * (x32 @ a32.t()) @ b32.t()
     y32.backward(dy.float())
     for got, ref in ((y, y32), (x.grad, x32.grad), (a.grad, a32.grad), (b.grad, b32.grad)):
-        assert _rel_err(got, ref) < 2 ** -6  # bf16 operands, fp32 accumulation
+        assert _rel_err(got, ref) < 2**-6  # bf16 operands, fp32 accumulation
 
 
 def test_lora_nf4_step_never_syncs_with_the_host():
@@ -221,12 +230,24 @@ def test_auto_on_gpu_qlora_tiny_model(tmp_path):
     from slimtune.tiny import save_tiny
 
     path = save_tiny(tmp_path / "llama", "llama", num_hidden_layers=2)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16)
-    base = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.bfloat16,
-                                                device_map={"": 0})
-    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).train()
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    base = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=quant, dtype=torch.bfloat16, device_map={"": 0}
+    )
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=16,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    ).train()
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.05)

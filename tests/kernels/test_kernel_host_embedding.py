@@ -7,12 +7,12 @@ import torch
 if not torch.cuda.is_available():  # Triton reads this when the kernels are decorated, i.e. at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-from peft import LoraConfig, get_peft_model  # noqa: E402
+import pytest
+from peft import LoraConfig, get_peft_model
 
-from slimtune.kernels import apply_kernels  # noqa: E402
-from slimtune.kernels.host_embedding import gather_rows, reference_gather_rows  # noqa: E402
-from slimtune.tiny import build_model  # noqa: E402
+from slimtune.kernels import apply_kernels
+from slimtune.kernels.host_embedding import gather_rows, reference_gather_rows
+from slimtune.tiny import build_model
 
 
 def test_gather_rows_is_exact():

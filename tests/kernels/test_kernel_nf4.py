@@ -7,11 +7,11 @@ import torch
 if not torch.cuda.is_available():  # Triton reads this when the kernels are decorated, i.e. at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import bitsandbytes.functional as bnbf  # noqa: E402
-import pytest  # noqa: E402
+import bitsandbytes.functional as bnbf
+import pytest
 
-from slimtune.kernels.lora_linear import lora_nf4_linear, reference_lora_nf4_linear  # noqa: E402
-from slimtune.kernels.nf4 import dequantize_nf4, dequantize_nf4_scratch, release_scratch  # noqa: E402
+from slimtune.kernels.lora_linear import lora_nf4_linear, reference_lora_nf4_linear
+from slimtune.kernels.nf4 import dequantize_nf4, dequantize_nf4_scratch, release_scratch
 
 
 def _quantize(shape, dtype, double_quant=True, seed=0):
@@ -24,8 +24,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({torch.float32: torch.int32}.get(t.dtype, torch.int16))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
-                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("double_quant", [True, False], ids=["double_quant", "plain_absmax"])
 def test_dequantize_bit_exact_with_bitsandbytes(dtype, double_quant):
     # 96 x 520: 780 absmax blocks -> 4 second-level blocks of 256, the last one partial
@@ -85,6 +84,6 @@ def test_lora_linear_bf16_activations_fp32_adapters():
     y32 = x32 @ w32.t() + 0.5 * (x32 @ a32.t()) @ b32.t()
     y32.backward(dy.float())
     # bf16 operands (8 bits) with fp32 accumulation over 64 terms: a few 2**-8 relative
-    torch.testing.assert_close(y.float(), y32, rtol=2 ** -5, atol=2e-2)
+    torch.testing.assert_close(y.float(), y32, rtol=2**-5, atol=2e-2)
     for got, ref in ((x.grad, x32.grad), (lora_a.grad, a32.grad), (lora_b.grad, b32.grad)):
-        torch.testing.assert_close(got.float(), ref, rtol=2 ** -5, atol=2e-2)
+        torch.testing.assert_close(got.float(), ref, rtol=2**-5, atol=2e-2)

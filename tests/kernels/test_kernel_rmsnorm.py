@@ -7,9 +7,9 @@ import torch
 if not torch.cuda.is_available():  # Triton reads this when the kernels are decorated, i.e. at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from slimtune.kernels.rms_norm import reference_rms_norm, rms_norm  # noqa: E402
+from slimtune.kernels.rms_norm import reference_rms_norm, rms_norm
 
 
 def _run(fn, x, w, gemma, dy):
@@ -42,9 +42,9 @@ def test_rms_norm_bf16_within_rounding(gemma):
     y32, dx32, dw32 = _run(reference_rms_norm, x.float(), w.float(), gemma, dy.float())
     assert y.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16 and dw.dtype == torch.bfloat16
     # bf16 keeps 8 significant bits: 2**-7 relative per rounding; outputs are rounded twice in Llama's rule
-    torch.testing.assert_close(y.float(), y32, rtol=2 ** -6, atol=2 ** -6)
-    torch.testing.assert_close(dx.float(), dx32, rtol=2 ** -6, atol=2 ** -6)
-    torch.testing.assert_close(dw.float(), dw32, rtol=2 ** -6, atol=2 ** -5)
+    torch.testing.assert_close(y.float(), y32, rtol=2**-6, atol=2**-6)
+    torch.testing.assert_close(dx.float(), dx32, rtol=2**-6, atol=2**-6)
+    torch.testing.assert_close(dw.float(), dw32, rtol=2**-6, atol=2**-5)
 
 
 def test_rms_norm_frozen_weight_has_no_grad_and_fp32_weight_promotes():

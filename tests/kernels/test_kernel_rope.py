@@ -7,9 +7,9 @@ import torch
 if not torch.cuda.is_available():  # Triton reads this when the kernels are decorated, i.e. at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from slimtune.kernels.rope import reference_rope, rope_  # noqa: E402
+from slimtune.kernels.rope import reference_rope, rope_
 
 B, T, HQ, HK, D = 2, 6, 4, 2, 16
 
@@ -49,7 +49,7 @@ def test_rope_matches_reference(mode, dtype):
     got = _grads(rope_, q_lin, k, cs, gq, gk)
     ref = _grads(reference_rope, q_lin, k, cs, gq, gk)
     # fp32: identical operations, 1e-6 covers fma contraction on GPU; bf16: one rounding each side (2**-7)
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2 ** -6)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-6, atol=2**-6)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a.float(), b.float(), **tol)
 
