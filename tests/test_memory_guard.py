@@ -137,8 +137,9 @@ def test_guarded_samples_peak_host_rss():
     before = psutil.Process().memory_info().rss
     with guarded("load_4bit", estimate=None, device="cpu", sample_interval_s=0.01) as record:
         block = torch.ones(64 * _MIB)  # 256 MiB of touched float32 pages
-        time.sleep(0.2)
-        del block
+    # Still alive when the guard took its closing sample: the record holds it however busy the machine was
+    # (the background thread's own sampling is tested on PeakSampler directly).
+    del block
     assert record.outcome == "completed"
     assert record.peak_host_rss >= before + 200 * _MIB
     assert record.peak_gpu_allocated is None  # CPU device: no GPU numbers are invented
