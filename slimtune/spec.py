@@ -266,6 +266,11 @@ class ExportSpec(_Section):
     verify: bool = Field(True, description="Load every GGUF and compare it with the merged model.")
     split_max_size_gb: float | None = Field(None, gt=0, description="Split GGUF files larger than this.")
     push: PushSpec | None = Field(None, description="Push to the Hub; omit to keep files local.")
+    adapter_gguf: bool = Field(
+        False,
+        description="Also write the LoRA adapter as a llama.cpp LoRA GGUF (gguf/<name>-lora.gguf), to load "
+        "on the base model's GGUF (llama.cpp --lora); verified against the merged GGUF when export.verify.",
+    )
 
     @field_validator("gguf")
     @classmethod
@@ -286,6 +291,17 @@ class ExportSpec(_Section):
                 "pip install 'slimtune[llama-cpp]' or choose f16/bf16/q8_0/q4_0/q5_0"
             )
         return list(dict.fromkeys(out))
+
+
+class EvalSpec(_Section):
+    """Evaluation beyond the eval loss: the base and the fine-tuned model's answers side by side."""
+
+    prompts: list[str] = Field(
+        default_factory=list,
+        description="Prompts both models answer greedily after the merge (a user turn when the tokenizer has "
+        "a chat template); the run report shows the answers side by side.",
+    )
+    max_new_tokens: int = Field(64, gt=0, le=4096, description="Tokens generated per answer.")
 
 
 class GuardSpec(_Section):
@@ -325,6 +341,7 @@ class PipelineSpec(_Section):
     merge: MergeSpec = Field(default_factory=MergeSpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
     guard: GuardSpec = Field(default_factory=GuardSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
     resubmits: int = Field(0, ge=0, description="Set by the crash hook: how often this run was re-submitted.")
 
     @model_validator(mode="after")
@@ -333,6 +350,11 @@ class PipelineSpec(_Section):
             raise ValueError(
                 "export.gguf needs merge.enabled: true (GGUF is converted from the merged "
                 "model); set export.gguf: [] to skip GGUF"
+            )
+        if (self.eval.prompts or self.export.adapter_gguf) and not self.merge.enabled:
+            raise ValueError(
+                "eval.prompts and export.adapter_gguf need merge.enabled: true (they compare with the merged "
+                "model); enable the merge or remove them"
             )
         if self.train.precision == "fp16" and self.model.compute_dtype == "bfloat16":
             raise ValueError(
@@ -458,8 +480,8 @@ def recheck_paths(spec: PipelineSpec) -> PipelineSpec:
     return spec
 
 
-def load_spec(path: str | Path) -> PipelineSpec:
-    """Read and validate a YAML spec file."""
+def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineSpec:
+    """Read and validate a YAML spec file, with `--set a.b=value` overrides applied (slimtune.overrides)."""
     path = Path(path)
     if not path.is_file():
         raise SpecError([f"spec file {str(path)!r} not found"])
@@ -467,4 +489,8 @@ def load_spec(path: str | Path) -> PipelineSpec:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise SpecError([f"not valid YAML: {e}"], str(path)) from None
+    if overrides and isinstance(data or {}, dict):  # a non-mapping is reported by parse_spec
+        from slimtune.overrides import apply_overrides
+
+        data = apply_overrides(data or {}, list(overrides))
     return parse_spec(data or {}, base_dir=path.resolve().parent, source=str(path))
