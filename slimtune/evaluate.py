@@ -87,7 +87,9 @@ def evaluate_file(run_dir: str | Path, data_file: str, *, include_base: bool = F
     run_dir = Path(run_dir).expanduser()
     spec = read_run_spec(run_dir)
     merged = merged_dir(run_dir)
-    data = DataSpec(**{**spec["data"], "path": str(Path(data_file).expanduser()), "eval_fraction": 0.0})
+    data = DataSpec(
+        **{**spec["data"], "path": str(Path(data_file).expanduser()), "eval_fraction": 0.0, "sources": None}
+    )
     tokenizer = AutoTokenizer.from_pretrained(merged)
     examples = load_examples(data, tokenizer).train
     device = str(resolve_device(spec["model"].get("device", "auto")))

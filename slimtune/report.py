@@ -39,8 +39,19 @@ def render_markdown(summary: dict) -> str:
     for stage in ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push"):
         if isinstance(summary.get(stage), dict):
             lines += _rows(stage, summary[stage])
+    lines += _data_sources(((summary.get("packed_sft") or {}).get("data") or {}).get("sources") or [])
     lines += _evaluation(summary.get("evaluation") or {})
     return "\n".join(lines)
+
+
+def _data_sources(sources: list[dict]) -> list[str]:
+    """One row per file of a data.sources mix: what it gave before and after weighting."""
+    if not sources:
+        return []
+    keys = ["path", "weight", "format", "records", "train_examples", "train_examples_used", "eval_examples"]
+    lines = ["### data sources", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_fmt(src.get(k)) for k in keys) + " |" for src in sources]
+    return lines + [""]
 
 
 def _cell(text: str) -> str:

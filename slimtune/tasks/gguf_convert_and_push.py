@@ -82,7 +82,7 @@ def _card(spec: PipelineSpec, merged_dir: Path, files: list[Path], summary: dict
         repo_id=spec.export.push.repo_id if spec.export.push else f"local/{spec.name}",
         base_model=spec.model.name_or_path,
         quants=quants,
-        dataset=spec.data.path,
+        dataset=", ".join(s.path for s in spec.data.sources) if spec.data.sources else spec.data.path,
         lora=lora,
         metrics=summary.get("train"),
     )
