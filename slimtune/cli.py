@@ -158,12 +158,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         gen = _generator(args)
+        if args.chat:
+            text = gen.chat([{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature)
+        else:
+            text = gen.complete(args.prompt, args.max_new_tokens, args.temperature)
     except RunDirError as e:
         return _fail(e, EXIT_INVALID_SPEC)
-    if args.chat:
-        text = gen.chat([{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature)
-    else:
-        text = gen.complete(args.prompt, args.max_new_tokens, args.temperature)
     print(text)
     return 0
 
@@ -174,10 +174,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     try:
         gen = _generator(args)
+        chat_loop(gen, sys.stdin, sys.stdout, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     except RunDirError as e:
         return _fail(e, EXIT_INVALID_SPEC)
-    try:
-        chat_loop(gen, sys.stdin, sys.stdout, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     except KeyboardInterrupt:
         print(file=sys.stdout)
     return 0

@@ -89,7 +89,6 @@ class _LlamaBackend:
 
     def generate(self, ids: list[int], max_new_tokens: int, temperature: float) -> list[int]:
         out: list[int] = []
-        self.llm.reset()
         for token in self.llm.generate(ids, temp=temperature, top_k=0 if temperature else 1, reset=True):
             if token == self.llm.token_eos() or len(out) >= max_new_tokens:
                 break
@@ -182,7 +181,9 @@ def open_generator(
     source = model_dir or merged_dir(run_dir)
     tokenizer = AutoTokenizer.from_pretrained(source)
     if backend == "hf":
-        return Generator(tokenizer, HFBackend(load_hf_model(source)))
+        from slimtune.device import resolve_device
+
+        return Generator(tokenizer, HFBackend(load_hf_model(source, str(resolve_device("auto")))))
     cfg = json.loads((source / "config.json").read_text(encoding="utf-8"))
     n_ctx = min(_MAX_CTX, int(cfg.get("max_position_embeddings") or _MAX_CTX))
     return Generator(tokenizer, _LlamaBackend(pick_gguf(run_dir, gguf), n_ctx))

@@ -114,8 +114,8 @@ def verify_adapter_gguf(base_gguf: Path, adapter_gguf: Path, merged_gguf: Path, 
     with_adapter.close()
     merged.close()
     return {
-        "adapter": str(adapter_gguf),
-        "against": str(merged_gguf),
+        "adapter": adapter_gguf.name,
+        "against": merged_gguf.name,  # may be a temporary f16 conversion of the merged model
         "prompts": len(prompts),
         "positions": positions,
         "max_abs_logit_diff": worst,
