@@ -122,3 +122,17 @@ def test_adapter_gguf_is_llama_cpps_lora_format_and_agrees_with_merged(run):
     assert check["argmax_agreement"] >= 0.99, check
     # f16 rounding of the merged weights vs the adapter added in f32 at run time: measured 2e-3 on this model.
     assert check["max_abs_logit_diff"] < 5e-2, check
+
+
+def test_the_default_gguf_is_the_most_precise_model_file(tmp_path):
+    from slimtune.generate import PRECISION_ORDER, RunDirError, pick_gguf
+    from slimtune.spec import GGUF_LLAMA_CPP, GGUF_NATIVE
+
+    assert sorted(PRECISION_ORDER) == sorted(GGUF_NATIVE + GGUF_LLAMA_CPP)
+    (tmp_path / "gguf").mkdir()
+    for name in ("r-q4_k_m.gguf", "r-q8_0.gguf", "r-f16.gguf", "r-lora.gguf", ".r-f32.gguf.tmp.gguf"):
+        (tmp_path / "gguf" / name).write_bytes(b"")
+    assert pick_gguf(tmp_path).name == "r-f16.gguf"  # not the adapter, not an unfinished dot-file
+    assert pick_gguf(tmp_path, "q4_k_m").name == "r-q4_k_m.gguf"
+    with pytest.raises(RunDirError, match="r-f16.gguf, r-q4_k_m.gguf, r-q8_0.gguf"):
+        pick_gguf(tmp_path, "q2_k")
