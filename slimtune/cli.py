@@ -154,7 +154,7 @@ def _generator(args: argparse.Namespace):
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     """`slimtune generate RUN_DIR --prompt ...`: the completion on stdout."""
-    from slimtune.generate import RunDirError
+    from slimtune.generate import PromptTooLong, RunDirError
 
     try:
         gen = _generator(args)
@@ -162,7 +162,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             text = gen.chat([{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature)
         else:
             text = gen.complete(args.prompt, args.max_new_tokens, args.temperature)
-    except RunDirError as e:
+    except (RunDirError, PromptTooLong) as e:
         return _fail(e, EXIT_INVALID_SPEC)
     print(text)
     return 0
@@ -174,7 +174,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     try:
         gen = _generator(args)
-        chat_loop(gen, sys.stdin, sys.stdout, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        chat_loop(
+            gen, sys.stdin, sys.stdout, sys.stderr, max_new_tokens=args.max_new_tokens, temperature=args.temperature
+        )
     except RunDirError as e:
         return _fail(e, EXIT_INVALID_SPEC)
     except KeyboardInterrupt:

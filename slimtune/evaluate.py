@@ -112,13 +112,13 @@ def compare_generations(
     """
     from transformers import AutoTokenizer
 
-    from slimtune.generate import Generator, HFBackend, load_hf_model
+    from slimtune.generate import Generator, HFBackend, load_hf_model, model_context
 
     tokenizer = AutoTokenizer.from_pretrained(merged)
     rows = [{"prompt": p} for p in prompts]
     for label, folder in (("base", base_dir), ("fine_tuned", merged)):
         model = load_hf_model(folder, device)
-        gen = Generator(tokenizer, HFBackend(model))
+        gen = Generator(tokenizer, HFBackend(model), model_context(folder))
         for row in rows:
             row[label] = gen.answer(row["prompt"], max_new_tokens)
         del gen, model

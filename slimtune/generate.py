@@ -28,6 +28,10 @@ class RunDirError(ValueError):
     """The run directory lacks what the command needs; the message says which folder and what to do."""
 
 
+class PromptTooLong(ValueError):
+    """A prompt (one chat turn, after dropping the older ones) that leaves no room in the context."""
+
+
 class _Backend(Protocol):
     def generate(self, ids: list[int], max_new_tokens: int, temperature: float) -> list[int]: ...
 
@@ -134,6 +138,7 @@ class Generator:
 
     tokenizer: Any
     backend: _Backend
+    context: int  # tokens the backend can attend to: prompt + reply must fit
 
     def answer(self, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0) -> str:
         """The reply to `prompt` as one user turn when the tokenizer has a chat template, else its continuation."""
@@ -143,7 +148,9 @@ class Generator:
 
     def complete(self, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0) -> str:
         """The continuation of `prompt` (the tokenizer adds BOS as in training)."""
-        return self._run(self.tokenizer(prompt)["input_ids"], max_new_tokens, temperature)
+        ids = self.tokenizer(prompt)["input_ids"]
+        self._check_fits(ids, max_new_tokens)
+        return self._run(ids, max_new_tokens, temperature)
 
     def chat(self, messages: list[dict[str, str]], max_new_tokens: int = 128, temperature: float = 0.0) -> str:
         """The assistant's reply to `messages`, rendered with the run's chat template."""
@@ -152,10 +159,25 @@ class Generator:
                 "the run's tokenizer has no chat template; use `slimtune generate RUN_DIR --prompt ...` "
                 "for plain completions"
             )
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)[
-            "input_ids"
-        ]
-        return self._run(list(ids), max_new_tokens, temperature)
+        ids = self._render(messages)
+        # The oldest exchanges go first when the conversation outgrows the context (a system turn stays).
+        keep = 1 if messages[0]["role"] == "system" else 0
+        while len(ids) + max_new_tokens > self.context and len(messages) > keep + 2:
+            messages = messages[:keep] + messages[keep + 2 :]
+            ids = self._render(messages)
+        self._check_fits(ids, max_new_tokens)
+        return self._run(ids, max_new_tokens, temperature)
+
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+        return list(out["input_ids"])
+
+    def _check_fits(self, ids: list[int], max_new_tokens: int) -> None:
+        if len(ids) + max_new_tokens > self.context:
+            raise PromptTooLong(
+                f"the prompt is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it exceeds the "
+                f"{self.context}-token context; shorten it or lower --max-new-tokens"
+            )
 
     def _run(self, ids: list[int], max_new_tokens: int, temperature: float) -> str:
         new = self.backend.generate(ids, max_new_tokens, temperature)
@@ -165,10 +187,8 @@ class Generator:
         return self.tokenizer.decode(new, skip_special_tokens=True).strip()
 
 
-def open_generator(
-    run_dir: str | Path, *, backend: str = "llama", gguf: str | None = None, model_dir: Path | None = None
-) -> Generator:
-    """A `Generator` on a finished run: llama.cpp on its GGUF, or transformers on `merged/` (or `model_dir`).
+def open_generator(run_dir: str | Path, *, backend: str = "llama", gguf: str | None = None) -> Generator:
+    """A `Generator` on a finished run: llama.cpp on its GGUF, or transformers on `merged/`.
 
     Raises:
         RunDirError: the run directory lacks the merged model or GGUF the backend needs.
@@ -178,22 +198,32 @@ def open_generator(
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
         raise RunDirError(f"{run_dir}: not a directory; give a finished run's directory (output_dir/name)")
-    source = model_dir or merged_dir(run_dir)
+    source = merged_dir(run_dir)
     tokenizer = AutoTokenizer.from_pretrained(source)
     if backend == "hf":
         from slimtune.device import resolve_device
 
-        return Generator(tokenizer, HFBackend(load_hf_model(source, str(resolve_device("auto")))))
-    cfg = json.loads((source / "config.json").read_text(encoding="utf-8"))
-    n_ctx = min(_MAX_CTX, int(cfg.get("max_position_embeddings") or _MAX_CTX))
-    return Generator(tokenizer, _LlamaBackend(pick_gguf(run_dir, gguf), n_ctx))
+        return Generator(
+            tokenizer, HFBackend(load_hf_model(source, str(resolve_device("auto")))), model_context(source)
+        )
+    n_ctx = min(_MAX_CTX, model_context(source))
+    return Generator(tokenizer, _LlamaBackend(pick_gguf(run_dir, gguf), n_ctx), n_ctx)
 
 
-def chat_loop(gen: Generator, lines: Iterable[str], out: IO[str], *, max_new_tokens: int, temperature: float) -> int:
-    """One user turn per input line, each reply on its own line; returns the number of turns.
+def model_context(model_dir: Path) -> int:
+    """The model's trained context length (max_position_embeddings), _MAX_CTX when config.json lacks it."""
+    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    return int(cfg.get("max_position_embeddings") or _MAX_CTX)
+
+
+def chat_loop(
+    gen: Generator, lines: Iterable[str], out: IO[str], err: IO[str], *, max_new_tokens: int, temperature: float
+) -> int:
+    """One user turn per input line, each reply on its own line; returns the number of turns answered.
 
     `/reset` starts a new conversation, `/exit` (or end of input) ends it. The `> ` prompt is written
-    only to a terminal, so piped output holds the replies alone.
+    only to a terminal, so piped output holds the replies alone; a turn too long for the context is
+    reported on `err` and dropped, and the conversation goes on.
     """
     interactive = getattr(out, "isatty", lambda: False)()
     history: list[dict[str, str]] = []
@@ -208,11 +238,15 @@ def chat_loop(gen: Generator, lines: Iterable[str], out: IO[str], *, max_new_tok
         if text == "/reset":
             history = []
         elif text:
-            history.append({"role": "user", "content": text})
-            reply = gen.chat(history, max_new_tokens, temperature)
-            history.append({"role": "assistant", "content": reply})
-            out.write(reply + "\n")
-            turns += 1
+            try:
+                reply = gen.chat([*history, {"role": "user", "content": text}], max_new_tokens, temperature)
+            except PromptTooLong as e:
+                err.write(f"slimtune: {e}\n")
+                err.flush()
+            else:
+                history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+                out.write(reply + "\n")
+                turns += 1
         if interactive:
             out.write("> ")
         out.flush()

@@ -136,3 +136,28 @@ def test_the_default_gguf_is_the_most_precise_model_file(tmp_path):
     assert pick_gguf(tmp_path, "q4_k_m").name == "r-q4_k_m.gguf"
     with pytest.raises(RunDirError, match="r-f16.gguf, r-q4_k_m.gguf, r-q8_0.gguf"):
         pick_gguf(tmp_path, "q2_k")
+
+
+def test_a_long_chat_drops_the_oldest_turns_and_a_too_long_turn_is_reported(run):
+    import io
+
+    from transformers import AutoTokenizer
+
+    from slimtune.generate import Generator, HFBackend, chat_loop, load_hf_model
+
+    run_dir, _ = run
+    prompt_lengths = []
+
+    class Recording(HFBackend):  # the real model; records what it was asked to continue
+        def generate(self, ids, max_new_tokens, temperature):
+            prompt_lengths.append(len(ids))
+            return super().generate(ids, max_new_tokens, temperature)
+
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "merged")
+    gen = Generator(tokenizer, Recording(load_hf_model(run_dir / "merged")), context=48)
+    out, err = io.StringIO(), io.StringIO()
+    turns = ["What is 2 plus 2?", "And 3 plus 3?", "Name a colour.", "Name a fruit.", "word " * 60]
+    answered = chat_loop(gen, [t + "\n" for t in turns], out, err, max_new_tokens=4, temperature=0.0)
+    assert answered == 4 and len(out.getvalue().splitlines()) == 4
+    assert all(n + 4 <= 48 for n in prompt_lengths) and len(prompt_lengths) == 4
+    assert "exceeds the 48-token context" in err.getvalue()
