@@ -25,13 +25,8 @@ def perplexity(loss: float | None) -> float | None:
 
 def held_out_metrics(train_report: dict) -> dict[str, float | None]:
     """Eval loss and perplexity on the held-out split, before and after training (from the train report)."""
-    before, after = train_report.get("eval_loss_before"), train_report.get("eval_loss_after")
-    return {
-        "eval_loss_before": before,
-        "perplexity_before": perplexity(before),
-        "eval_loss_after": after,
-        "perplexity_after": perplexity(after),
-    }
+    keys = ("eval_loss_before", "perplexity_before", "eval_loss_after", "perplexity_after")
+    return {k: train_report.get(k) for k in keys}
 
 
 def loss_on(model, examples: list[Example]) -> dict[str, float | int]:

@@ -57,6 +57,11 @@ def test_report_has_perplexity_and_side_by_side_answers(run):
     for when in ("before", "after"):
         assert evaluation[f"perplexity_{when}"] == pytest.approx(2.718281828 ** evaluation[f"eval_loss_{when}"])
     assert evaluation["perplexity_after"] < evaluation["perplexity_before"]  # 4 steps at lr 2e-3 do learn
+    train = json.loads((run_dir / "train_report.json").read_text())
+    assert (train["perplexity_before"], train["perplexity_after"]) == (
+        evaluation["perplexity_before"],
+        evaluation["perplexity_after"],
+    )
     rows = evaluation["prompts"]
     assert [r["prompt"] for r in rows] == PROMPTS and all({"base", "fine_tuned"} <= r.keys() for r in rows)
     assert any(r["base"] != r["fine_tuned"] for r in rows), "training must change the answers"
