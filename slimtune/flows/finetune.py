@@ -32,7 +32,8 @@ def _flow_run_name() -> str:
     if isinstance(spec, PipelineSpec):
         spec = spec.model_dump()
     model = (spec.get("model") or {}).get("name_or_path", "?")
-    data = str((spec.get("data") or {}).get("path", "?")).rsplit("/", 1)[-1]
+    sources = (spec.get("data") or {}).get("sources") or []
+    data = f"{len(sources)} sources" if sources else str((spec.get("data") or {}).get("path", "?")).rsplit("/", 1)[-1]
     return f"{spec.get('name', 'run')}: {model} on {data}"
 
 
