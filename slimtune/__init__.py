@@ -2,3 +2,5 @@
 
 Run it with `slimtune run SPEC` or `slimtune.flows.finetune(spec)`; the spec is `slimtune.spec.PipelineSpec`.
 """
+
+__version__ = "0.1.0"

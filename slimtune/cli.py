@@ -1,4 +1,4 @@
-"""Command line: `slimtune run SPEC`, `slimtune validate SPEC`.
+"""Command line: `slimtune run|validate SPEC [--set a.b=value]`, `init`, `generate`, `chat`, `eval`.
 
 Failures end with one line, `slimtune: error: <reason>`, and a non-zero exit code, so that scripts and
 schedulers can tell what went wrong without reading a traceback.
@@ -11,23 +11,77 @@ import json
 import os
 import sys
 
+from slimtune import __version__
+
 # Prefect reads its settings at import; telemetry calls fail without internet and only add noise, and
 # the embedded server's 20 s start-up limit is too short on a busy 2-core machine (seen: >20 s).
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
-EXIT_INVALID_SPEC = 2
+EXIT_INVALID_SPEC = 2  # also any bad input (a run dir, a data file) found before a model is loaded
 EXIT_FAILED = 1
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slimtune", description="QLoRA fine-tuning to GGUF as one Prefect flow.")
+    p.add_argument("--version", action="version", version=f"slimtune {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="validate SPEC and run the whole pipeline (Prefect flow)")
     run.add_argument("spec", help="path to a YAML spec, e.g. deployments/tiny.yaml")
-    val = sub.add_parser("validate", help="check SPEC and print it with every default filled in")
+    add_set_argument(run)
+    val = sub.add_parser("validate", help="check SPEC and print it with every default filled in (YAML)")
     val.add_argument("spec", help="path to a YAML spec")
+    add_set_argument(val)
+    val.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    _add_workflow_commands(sub)
     return p
+
+
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """`--set a.b=value` (repeatable) on a subcommand that reads a spec."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a spec field by its dotted path, value as YAML (repeatable), e.g. --set lora.r=32",
+    )
+
+
+def _add_workflow_commands(sub) -> None:
+    """init, generate, chat and eval: each runs its own function (`func`), not the spec path of run/validate."""
+    init = sub.add_parser("init", help="write a commented starting spec for a model and a data file to stdout")
+    init.add_argument("--model", required=True, help="Hub id, local model directory or builtin:tiny-<family>")
+    init.add_argument("--data", required=True, help="a local .jsonl/.json/.parquet training file")
+    init.add_argument("--gpu-memory", default=None, help="GPU memory to plan for, e.g. 16GiB or 24GB")
+    init.add_argument("--name", default=None, help="run name (default: from the model and data names)")
+    init.set_defaults(func=_cmd_init)
+    for name, helptext in (
+        ("generate", "complete one prompt with a finished run's model"),
+        ("chat", "talk to a finished run's model (reads turns from stdin; empty line or EOF ends)"),
+    ):
+        cmd = sub.add_parser(name, help=helptext)
+        cmd.add_argument("run_dir", help="a finished run's directory (output_dir/name)")
+        if name == "generate":
+            cmd.add_argument("--prompt", required=True, help="the prompt (sent as one user turn when --chat)")
+            cmd.add_argument("--chat", action="store_true", help="apply the chat template to the prompt")
+        cmd.add_argument(
+            "--backend",
+            choices=("llama", "hf"),
+            default="llama",
+            help="llama = llama.cpp on the GGUF; hf = transformers on merged/",
+        )
+        cmd.add_argument("--gguf", default=None, help="which GGUF file of the run (default: the largest type)")
+        cmd.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per reply")
+        cmd.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+        cmd.set_defaults(func=_cmd_generate if name == "generate" else _cmd_chat)
+    ev = sub.add_parser("eval", help="loss and perplexity of a finished run's merged model on a data file")
+    ev.add_argument("run_dir", help="a finished run's directory (output_dir/name)")
+    ev.add_argument("--data", required=True, help="a .jsonl/.json/.parquet file in the run's data format")
+    ev.add_argument("--base", action="store_true", help="also evaluate the base model, for comparison")
+    ev.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    ev.set_defaults(func=_cmd_eval)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -38,18 +92,18 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `slimtune` command; returns the exit code."""
     args = _parser().parse_args(argv)
+    if getattr(args, "func", None) is not None:
+        return args.func(args)
     from slimtune.spec import SpecError, load_spec
 
     try:
-        spec = load_spec(args.spec)
+        spec = load_spec(args.spec, args.overrides)
     except SpecError as e:
         print(e, file=sys.stderr)
         print(f"slimtune: error: {len(e.problems)} problem(s) in {args.spec}", file=sys.stderr)
         return EXIT_INVALID_SPEC
     if args.command == "validate":
-        print(json.dumps(spec.model_dump(mode="json"), indent=2))
-        print(f"slimtune: {args.spec} is valid", file=sys.stderr)
-        return 0
+        return _print_validated(args, spec)
     from slimtune.flows import finetune
 
     try:
@@ -61,6 +115,91 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slimtune: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_FAILED
     print(f"slimtune: done; report at {summary['report']}")
+    return 0
+
+
+def _print_validated(args: argparse.Namespace, spec) -> int:
+    """The effective spec: readable YAML by default, JSON with --json (for scripts)."""
+    if args.json:
+        print(json.dumps(spec.model_dump(mode="json"), indent=2))
+    else:
+        import yaml
+
+        print(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False), end="")
+    print(f"slimtune: {args.spec} is valid", file=sys.stderr)
+    return 0
+
+
+def _fail(exc: BaseException, code: int) -> int:
+    print(f"slimtune: error: {_one_line(exc)}", file=sys.stderr)
+    return code
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    """`slimtune init`: a commented spec on stdout; bad input exits 2 before any model is loaded."""
+    from slimtune.scaffold import ScaffoldError, scaffold_spec
+
+    try:
+        print(scaffold_spec(args.model, args.data, gpu_memory=args.gpu_memory, name=args.name), end="")
+    except ScaffoldError as e:
+        return _fail(e, EXIT_INVALID_SPEC)
+    return 0
+
+
+def _generator(args: argparse.Namespace):
+    from slimtune.generate import open_generator
+
+    return open_generator(args.run_dir, backend=args.backend, gguf=args.gguf)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    """`slimtune generate RUN_DIR --prompt ...`: the completion on stdout."""
+    from slimtune.generate import PromptTooLong, RunDirError
+
+    try:
+        gen = _generator(args)
+        if args.chat:
+            text = gen.chat([{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature)
+        else:
+            text = gen.complete(args.prompt, args.max_new_tokens, args.temperature)
+    except (RunDirError, PromptTooLong) as e:
+        return _fail(e, EXIT_INVALID_SPEC)
+    print(text)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    """`slimtune chat RUN_DIR`: one user turn per stdin line, replies on stdout, the history kept."""
+    from slimtune.generate import RunDirError, chat_loop
+
+    try:
+        gen = _generator(args)
+        chat_loop(
+            gen, sys.stdin, sys.stdout, sys.stderr, max_new_tokens=args.max_new_tokens, temperature=args.temperature
+        )
+    except RunDirError as e:
+        return _fail(e, EXIT_INVALID_SPEC)
+    except KeyboardInterrupt:
+        print(file=sys.stdout)
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    """`slimtune eval RUN_DIR --data FILE`: loss and perplexity (YAML, or JSON with --json)."""
+    from slimtune.data import DataError
+    from slimtune.evaluate import evaluate_file
+    from slimtune.generate import RunDirError
+
+    try:
+        result = evaluate_file(args.run_dir, args.data, include_base=args.base)
+    except (RunDirError, DataError) as e:
+        return _fail(e, EXIT_INVALID_SPEC)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        import yaml
+
+        print(yaml.safe_dump(result, sort_keys=False), end="")
     return 0
 
 

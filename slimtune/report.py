@@ -39,7 +39,41 @@ def render_markdown(summary: dict) -> str:
     for stage in ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push"):
         if isinstance(summary.get(stage), dict):
             lines += _rows(stage, summary[stage])
+    lines += _data_sources(((summary.get("packed_sft") or {}).get("data") or {}).get("sources") or [])
+    lines += _evaluation(summary.get("evaluation") or {})
     return "\n".join(lines)
+
+
+def _data_sources(sources: list[dict]) -> list[str]:
+    """One row per file of a data.sources mix: what it gave before and after weighting."""
+    if not sources:
+        return []
+    keys = ["path", "weight", "format", "records", "train_examples", "train_examples_used", "eval_examples"]
+    lines = ["### data sources", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_fmt(src.get(k)) for k in keys) + " |" for src in sources]
+    return lines + [""]
+
+
+def _cell(text: str) -> str:
+    """Text that stays inside one markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", "<br>") or "(empty)"
+
+
+def _evaluation(evaluation: dict) -> list[str]:
+    """Held-out loss and perplexity before/after training, and base vs fine-tuned answers (eval.prompts)."""
+    if not evaluation:
+        return []
+    lines = ["### evaluation", "", "| held-out split | base (before) | fine-tuned (after) |", "|---|---|---|"]
+    for key in ("eval_loss", "perplexity"):
+        lines.append(f"| {key} | {_fmt(evaluation.get(f'{key}_before'))} | {_fmt(evaluation.get(f'{key}_after'))} |")
+    lines.append("")
+    if evaluation.get("prompts"):
+        lines += ["| prompt | base | fine-tuned |", "|---|---|---|"]
+        lines += [
+            f"| {_cell(r['prompt'])} | {_cell(r['base'])} | {_cell(r['fine_tuned'])} |" for r in evaluation["prompts"]
+        ]
+        lines.append("")
+    return lines
 
 
 def write_run_report(run_dir: Path, summary: dict) -> Path:

@@ -127,6 +127,26 @@ class LoraSpec(_Section):
         return v
 
 
+class DataSource(_Section):
+    """One file of a data mix (data.sources); unset fields take data's values."""
+
+    path: str = Field(..., description="A local .jsonl/.json/.parquet file or a Hub dataset id, as data.path.")
+    weight: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="Times each training example of this source is used: 2 = twice, 0.5 = a seeded random half.",
+    )
+    format: Literal["auto", "messages", "prompt_completion", "text"] | None = Field(
+        None, description="Record format of this source (default: data.format)."
+    )
+    split: str | None = Field(None, description="Split of a Hub dataset (default: data.split).")
+    messages_field: str | None = Field(None, description="Default: data.messages_field.")
+    prompt_field: str | None = Field(None, description="Default: data.prompt_field.")
+    completion_field: str | None = Field(None, description="Default: data.completion_field.")
+    text_field: str | None = Field(None, description="Default: data.text_field.")
+
+
 class DataSpec(_Section):
     """Training data: where it is, its format, and how it is packed."""
 
@@ -162,6 +182,12 @@ class DataSpec(_Section):
     )
     on_bad_record: Literal["error", "skip"] = Field(
         "error", description="error = stop at the first malformed record (file:line:field); skip = skip and count them."
+    )
+    sources: list[DataSource] | None = Field(
+        None,
+        min_length=1,
+        description="Several data files mixed by weight, used instead of data.path; each is split for eval on "
+        "its own and its counts are in the report. The other data settings apply to every source.",
     )
 
 
@@ -266,6 +292,11 @@ class ExportSpec(_Section):
     verify: bool = Field(True, description="Load every GGUF and compare it with the merged model.")
     split_max_size_gb: float | None = Field(None, gt=0, description="Split GGUF files larger than this.")
     push: PushSpec | None = Field(None, description="Push to the Hub; omit to keep files local.")
+    adapter_gguf: bool = Field(
+        False,
+        description="Also write the LoRA adapter as a llama.cpp LoRA GGUF (gguf/<name>-lora.gguf), to load "
+        "on the base model's GGUF (llama.cpp --lora); verified against the merged GGUF when export.verify.",
+    )
 
     @field_validator("gguf")
     @classmethod
@@ -286,6 +317,17 @@ class ExportSpec(_Section):
                 "pip install 'slimtune[llama-cpp]' or choose f16/bf16/q8_0/q4_0/q5_0"
             )
         return list(dict.fromkeys(out))
+
+
+class EvalSpec(_Section):
+    """Evaluation beyond the eval loss: the base and the fine-tuned model's answers side by side."""
+
+    prompts: list[str] = Field(
+        default_factory=list,
+        description="Prompts both models answer greedily after the merge (a user turn when the tokenizer has "
+        "a chat template); the run report shows the answers side by side.",
+    )
+    max_new_tokens: int = Field(64, gt=0, le=4096, description="Tokens generated per answer.")
 
 
 class GuardSpec(_Section):
@@ -325,6 +367,7 @@ class PipelineSpec(_Section):
     merge: MergeSpec = Field(default_factory=MergeSpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
     guard: GuardSpec = Field(default_factory=GuardSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
     resubmits: int = Field(0, ge=0, description="Set by the crash hook: how often this run was re-submitted.")
 
     @model_validator(mode="after")
@@ -333,6 +376,11 @@ class PipelineSpec(_Section):
             raise ValueError(
                 "export.gguf needs merge.enabled: true (GGUF is converted from the merged "
                 "model); set export.gguf: [] to skip GGUF"
+            )
+        if (self.eval.prompts or self.export.adapter_gguf) and not self.merge.enabled:
+            raise ValueError(
+                "eval.prompts and export.adapter_gguf need merge.enabled: true (they compare with the merged "
+                "model); enable the merge or remove them"
             )
         if self.train.precision == "fp16" and self.model.compute_dtype == "bfloat16":
             raise ValueError(
@@ -358,21 +406,24 @@ class SpecError(ValueError):
 def _submodel(annotation: Any) -> type[BaseModel] | None:
     """The spec section behind a field's annotation (also through Optional), else None."""
     candidates = [annotation, *getattr(annotation, "__args__", ())]
-    return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    found = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    if found is None:  # the items of a list of sections (data.sources), also inside Optional
+        found = next((m for c in candidates[1:] if getattr(c, "__args__", None) and (m := _submodel(c))), None)
+    return found
 
 
 def _field_path(loc: tuple) -> str:
     """The user-facing field path of an error location, without pydantic's union-branch tags."""
     parts, model = [], PipelineSpec
     for part in loc:
-        if model is not None and part in model.model_fields:
+        if isinstance(part, int):  # a list index: the items are of the same section
+            parts.append(str(part))
+        elif model is not None and part in model.model_fields:
             parts.append(part)
             model = _submodel(model.model_fields[part].annotation)
         elif model is not None:  # a key the section does not have (extra="forbid")
             parts.append(str(part))
             model = None
-        elif isinstance(part, int):  # a list index
-            parts.append(str(part))
         # anything else is a union-branch tag such as "literal['unsloth']"
     return ".".join(parts) or "(top level)"
 
@@ -422,24 +473,11 @@ def _check_paths(spec: PipelineSpec, base_dir: Path | None) -> list[str]:
     They cannot be checked field by field: where they point depends on the folder of the spec file.
     """
     problems = []
-    data_path = Path(spec.data.path).expanduser()
-    local_suffix = data_path.suffix.lower() in (".jsonl", ".json", ".parquet")
-    if not data_path.is_absolute() and base_dir is not None and (base_dir / data_path).exists():
-        spec.data.path = str((base_dir / data_path).resolve())
-    elif data_path.exists():
-        spec.data.path = str(data_path.resolve())
-    elif local_suffix or spec.data.path.startswith((".", "/", "~")):
-        problems.append(
-            f"data.path: got {spec.data.path!r}; file not found (looked in "
-            f"{base_dir or Path.cwd()} and {Path.cwd()}); give an existing .jsonl/.json/.parquet file"
-        )
-    elif importlib.util.find_spec("datasets") is None:
-        problems.append(
-            f"data.path: got {spec.data.path!r}; not a local file, and Hub datasets need the "
-            "datasets extra: pip install 'slimtune[datasets]'"
-        )
-    if Path(spec.data.path).is_dir():
-        problems.append(f"data.path: got {spec.data.path!r}; is a directory; give a data file")
+    if spec.data.sources:  # data.path is not read when sources are given
+        for i, source in enumerate(spec.data.sources):
+            source.path = _resolve_data_path(f"data.sources.{i}.path", source.path, base_dir, problems)
+    else:
+        spec.data.path = _resolve_data_path("data.path", spec.data.path, base_dir, problems)
     if base_dir is not None and not Path(spec.output_dir).expanduser().is_absolute():
         spec.output_dir = str((base_dir / spec.output_dir).resolve())
     if spec.merge.temporary_location is not None:
@@ -447,6 +485,29 @@ def _check_paths(spec: PipelineSpec, base_dir: Path | None) -> list[str]:
         if tmp.exists() and not tmp.is_dir():
             problems.append(f"merge.temporary_location: got {str(tmp)!r}; exists and is not a directory")
     return problems
+
+
+def _resolve_data_path(field: str, value: str, base_dir: Path | None, problems: list[str]) -> str:
+    """A data file's absolute path (relative to the spec's folder first), or `value` with a problem added."""
+    data_path = Path(value).expanduser()
+    local_suffix = data_path.suffix.lower() in (".jsonl", ".json", ".parquet")
+    if not data_path.is_absolute() and base_dir is not None and (base_dir / data_path).exists():
+        value = str((base_dir / data_path).resolve())
+    elif data_path.exists():
+        value = str(data_path.resolve())
+    elif local_suffix or value.startswith((".", "/", "~")):
+        problems.append(
+            f"{field}: got {value!r}; file not found (looked in "
+            f"{base_dir or Path.cwd()} and {Path.cwd()}); give an existing .jsonl/.json/.parquet file"
+        )
+    elif importlib.util.find_spec("datasets") is None:
+        problems.append(
+            f"{field}: got {value!r}; not a local file, and Hub datasets need the "
+            "datasets extra: pip install 'slimtune[datasets]'"
+        )
+    if Path(value).is_dir():
+        problems.append(f"{field}: got {value!r}; is a directory; give a data file")
+    return value
 
 
 def recheck_paths(spec: PipelineSpec) -> PipelineSpec:
@@ -458,8 +519,8 @@ def recheck_paths(spec: PipelineSpec) -> PipelineSpec:
     return spec
 
 
-def load_spec(path: str | Path) -> PipelineSpec:
-    """Read and validate a YAML spec file."""
+def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineSpec:
+    """Read and validate a YAML spec file, with `--set a.b=value` overrides applied (slimtune.overrides)."""
     path = Path(path)
     if not path.is_file():
         raise SpecError([f"spec file {str(path)!r} not found"])
@@ -467,4 +528,8 @@ def load_spec(path: str | Path) -> PipelineSpec:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise SpecError([f"not valid YAML: {e}"], str(path)) from None
+    if overrides and isinstance(data or {}, dict):  # a non-mapping is reported by parse_spec
+        from slimtune.overrides import apply_overrides
+
+        data = apply_overrides(data or {}, list(overrides))
     return parse_spec(data or {}, base_dir=path.resolve().parent, source=str(path))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Literal
 
 from slimtune.data.formats import IGNORE_INDEX, FieldError, Format, detect_format, render
 from slimtune.data.packing import Example
@@ -43,13 +44,15 @@ class Examples:
 
     train: list[Example]
     eval: list[Example]
-    format: Format
+    format: Format | Literal["mixed"]
     source: str
     counts: DataCounts
+    sources: list[dict] = field(default_factory=list)  # per-source counts of a data.sources mix
 
     def summary(self) -> dict:
         """A JSON-ready record of the data (for reports and Prefect artifacts)."""
-        return {"format": self.format, "source": self.source, **asdict(self.counts)}
+        mix = {"sources": self.sources} if self.sources else {}
+        return {"format": self.format, "source": self.source, **asdict(self.counts), **mix}
 
 
 def load_examples(data: DataSpec, tokenizer) -> Examples:
@@ -59,6 +62,8 @@ def load_examples(data: DataSpec, tokenizer) -> Examples:
         DataError: a malformed record (with `on_bad_record: error`), an empty file, or no usable example;
             the message names file:line, the field and the fix.
     """
+    if data.sources:
+        return _load_mix(data, tokenizer)
     counts = DataCounts()
     fmt: Format | None = None
     examples: list[Example] = []
@@ -130,3 +135,50 @@ def _split(examples: list[Example], fraction: float) -> tuple[list[Example], lis
     n_eval = min(len(examples) - 1, max(1, round(len(examples) * fraction)))
     held = set(order[:n_eval])
     return ([e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held])
+
+
+def _load_mix(data: DataSpec, tokenizer) -> Examples:
+    """Load each of data.sources with data's settings (overridden per source), split each, weight the train parts.
+
+    Each source is split on its own, before weighting, so an up-weighted example is never also held out
+    and every source is represented in the eval loss.
+    """
+    train: list[Example] = []
+    held_out: list[Example] = []
+    total = DataCounts()
+    per_source = []
+    for i, source in enumerate(data.sources):
+        overrides = {k: v for k, v in source.model_dump(exclude={"weight"}).items() if v is not None}
+        one = load_examples(data.model_copy(update={**overrides, "sources": None}), tokenizer)
+        used = _weighted(one.train, source.weight, seed=_SPLIT_SEED + i)
+        train += used
+        held_out += one.eval
+        for f in fields(DataCounts):
+            if f.name != "skipped_problems":
+                setattr(total, f.name, getattr(total, f.name) + getattr(one.counts, f.name))
+        total.skipped_problems += one.counts.skipped_problems[: _KEPT_PROBLEMS - len(total.skipped_problems)]
+        per_source.append(
+            {
+                "path": source.path,
+                "weight": source.weight,
+                "format": one.format,
+                "records": one.counts.records,
+                "train_examples": len(one.train),
+                "train_examples_used": len(used),
+                "eval_examples": len(one.eval),
+                "train_tokens_used": sum(len(e.input_ids) for e in used),
+            }
+        )
+    total.train_examples, total.eval_examples = len(train), len(held_out)
+    total.train_tokens = sum(len(e.input_ids) for e in train)
+    total.target_tokens = sum(sum(t != IGNORE_INDEX for t in e.labels) for e in train)
+    formats = {s["format"] for s in per_source}
+    fmt = formats.pop() if len(formats) == 1 else "mixed"
+    return Examples(train, held_out, fmt, ", ".join(s["path"] for s in per_source), total, per_source)
+
+
+def _weighted(examples: list[Example], weight: float, seed: int) -> list[Example]:
+    """Each example int(weight) times, plus a seeded random share (weight's fraction) of them once more."""
+    whole, fraction = int(weight), weight - int(weight)
+    extra = random.Random(seed).sample(examples, round(len(examples) * fraction))
+    return examples * whole + extra

@@ -62,8 +62,8 @@ def check_complete(gguf_path: Path) -> list[Path]:
     return files
 
 
-def load_llama(gguf_path: Path, n_ctx: int = 512):
-    """Load a GGUF in llama.cpp with every position's logits kept and an f32 KV cache.
+def load_llama(gguf_path: Path, n_ctx: int = 512, lora_path: Path | None = None):
+    """Load a GGUF in llama.cpp with every position's logits kept and an f32 KV cache (and a LoRA GGUF on it).
 
     Raises:
         GGUFVerifyError: when llama.cpp refuses the file (after `check_complete` passed).
@@ -80,6 +80,7 @@ def load_llama(gguf_path: Path, n_ctx: int = 512):
             type_v=llama_cpp.GGML_TYPE_F32,
             n_threads=_THREADS,
             verbose=False,
+            **({"lora_path": str(lora_path)} if lora_path is not None else {}),
         )
     except ValueError as exc:
         raise GGUFVerifyError(

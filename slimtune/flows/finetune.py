@@ -5,12 +5,14 @@ from __future__ import annotations
 from prefect import flow
 from prefect.runtime import flow_run
 
-from slimtune import registry
+from slimtune import atomic, registry
+from slimtune.evaluate import held_out_metrics
 from slimtune.flows.crash import crash_downshift
 from slimtune.flows.stages import (
     attach_lora_task,
     cleanup_task,
     dequant_merge_task,
+    eval_prompts_task,
     gguf_task,
     load_4bit_task,
     load_records,
@@ -18,6 +20,7 @@ from slimtune.flows.stages import (
 )
 from slimtune.memory import gpu_concurrency, gpu_slot, publish_memory_report, resubmit_on_crash
 from slimtune.model_source import check_model_dir, local_model_dir
+from slimtune.overrides import effective_yaml
 from slimtune.report import write_run_report
 from slimtune.spec import MAX_CRASH_RESUBMITS, PipelineSpec, recheck_paths
 from slimtune.tasks.cleanup import MemorySnapshot
@@ -29,7 +32,8 @@ def _flow_run_name() -> str:
     if isinstance(spec, PipelineSpec):
         spec = spec.model_dump()
     model = (spec.get("model") or {}).get("name_or_path", "?")
-    data = str((spec.get("data") or {}).get("path", "?")).rsplit("/", 1)[-1]
+    sources = (spec.get("data") or {}).get("sources") or []
+    data = f"{len(sources)} sources" if sources else str((spec.get("data") or {}).get("path", "?")).rsplit("/", 1)[-1]
     return f"{spec.get('name', 'run')}: {model} on {data}"
 
 
@@ -43,6 +47,7 @@ def _flow_run_name() -> str:
 def finetune(spec: PipelineSpec) -> dict:
     """Fine-tune `spec.model` with QLoRA on `spec.data`, merge, and export GGUF; returns the run summary."""
     spec = recheck_paths(spec)
+    atomic.write_text(spec.run_dir() / "spec.effective.yaml", effective_yaml(spec))  # what ran, re-runnable
     model_dir = local_model_dir(spec.model)
     check_model_dir(spec.model, model_dir)
     examples = prepare_data(spec, str(model_dir))  # bad data fails here, before any model is loaded
@@ -57,9 +62,12 @@ def finetune(spec: PipelineSpec) -> dict:
             summary["load_4bit"] = loaded = load(spec)
             summary["attach_lora"] = lora = attach(spec, loaded["handle"])
             summary["packed_sft"] = trained = train(spec, lora["handle"], lora["checkpointing_handle"], examples)
+            summary["evaluation"] = held_out_metrics(trained)
             summary["cleanup"] = clean(spec, baseline)
             if spec.merge.enabled:
                 summary["dequant_merge"] = merged = merge(spec, trained["adapter_dir"])
+                if spec.eval.prompts:
+                    summary["evaluation"]["prompts"] = eval_prompts_task(spec, merged["out_dir"])
                 if spec.export.gguf or spec.export.push:
                     summary["gguf_convert_and_push"] = export(
                         spec, merged["out_dir"], trained["adapter_dir"], _card_facts(summary)

@@ -190,3 +190,18 @@ def gguf_task(spec: PipelineSpec, merged_dir: str, adapter_dir: str, summary: di
     cfg = read_config(Path(merged_dir))
     with _guard("gguf_convert_and_push", spec, estimate_export(cfg, out_types=spec.export.gguf)):
         return gguf_convert_and_push(spec, Path(merged_dir), Path(adapter_dir), summary).to_dict()
+
+
+@_task("eval_prompts", "eval_prompts [{spec.name}]")
+def eval_prompts_task(spec: PipelineSpec, merged_dir: str) -> list[dict]:
+    """Base and fine-tuned answers to eval.prompts, side by side (one model loaded at a time)."""
+    from slimtune.evaluate import compare_generations
+
+    with _guard("eval_prompts", spec, None):
+        return compare_generations(
+            local_model_dir(spec.model),
+            Path(merged_dir),
+            spec.eval.prompts,
+            max_new_tokens=spec.eval.max_new_tokens,
+            device=_device(spec),
+        )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from slimtune.export import (
     resolve_token,
     verify_gguf,
 )
+from slimtune.export.gguf_adapter import ADAPTER_GGUF_SUFFIX, convert_adapter_to_gguf, verify_adapter_gguf
+from slimtune.model_source import local_model_dir, read_config
 from slimtune.spec import PipelineSpec
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class ExportResult:
     files: dict[str, int]
     verification: dict[str, dict] = field(default_factory=dict)
     pushed: dict | None = None
+    adapter: dict | None = None  # the LoRA adapter GGUF (export.adapter_gguf) and its check against merged
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,13 +82,44 @@ def _card(spec: PipelineSpec, merged_dir: Path, files: list[Path], summary: dict
         repo_id=spec.export.push.repo_id if spec.export.push else f"local/{spec.name}",
         base_model=spec.model.name_or_path,
         quants=quants,
-        dataset=spec.data.path,
+        dataset=", ".join(s.path for s in spec.data.sources) if spec.data.sources else spec.data.path,
         lora=lora,
         metrics=summary.get("train"),
     )
     eos = tok_cfg.get("eos_token")
     modelfile = render_modelfile(files[0].name, template, eos_token=eos if isinstance(eos, str) else None)
     return card, modelfile
+
+
+def adapter_gguf_name(spec: PipelineSpec) -> str:
+    """File name of the LoRA adapter GGUF, beside the model GGUFs (`slimtune.generate` skips it)."""
+    return f"{spec.name}{ADAPTER_GGUF_SUFFIX}"
+
+
+def _adapter_gguf(spec: PipelineSpec, merged_dir: Path, adapter_dir: Path, out_dir: Path, files: list[Path]) -> dict:
+    """Write the adapter GGUF; verify llama.cpp's base f16 + adapter against the merged f16 GGUF."""
+    from transformers import AutoTokenizer
+
+    base_dir = local_model_dir(spec.model)
+    path = convert_adapter_to_gguf(adapter_dir, read_config(base_dir), out_dir / adapter_gguf_name(spec))
+    record: dict = {"file": path.name, "bytes": path.stat().st_size}
+    if not spec.export.verify:
+        return record
+    if not llama_cpp_available():
+        record["verification"] = {"skipped": "llama-cpp-python is not installed (pip install 'slimtune[llama-cpp]')"}
+        return record
+    # Both sides in f16, so the difference measured is the adapter's (applied at run time in f32) vs merged
+    # f16 weights, not a precision gap. The intermediates live in a dot-folder and are always removed.
+    with tempfile.TemporaryDirectory(prefix=".adapter-verify-", dir=out_dir) as tmp:
+        base_gguf = convert_hf_to_gguf(base_dir, Path(tmp) / "base-f16.gguf", "f16")[0]
+        merged_f16 = out_dir / f"{spec.name}-f16.gguf"
+        if merged_f16 not in files:
+            merged_f16 = convert_hf_to_gguf(merged_dir, Path(tmp) / "merged-f16.gguf", "f16")[0]
+        tokenizer = AutoTokenizer.from_pretrained(merged_dir)
+        prompts = VERIFY_PROMPTS + spec.eval.prompts
+        record["verification"] = verify_adapter_gguf(base_gguf, path, merged_f16, prompts, tokenizer)
+    record["verification"]["merge_source"] = spec.merge.source
+    return record
 
 
 def gguf_convert_and_push(spec: PipelineSpec, merged_dir: Path, adapter_dir: Path, summary: dict) -> ExportResult:
@@ -102,6 +137,9 @@ def gguf_convert_and_push(spec: PipelineSpec, merged_dir: Path, adapter_dir: Pat
                 continue
             result.verification[f.name] = verify_gguf(f, merged_dir, VERIFY_PROMPTS)
             log.info("verified %s: %s", f.name, result.verification[f.name])
+    if spec.export.adapter_gguf:
+        result.adapter = _adapter_gguf(spec, merged_dir, adapter_dir, out_dir, files)
+        log.info("adapter GGUF: %s", result.adapter)
     card, modelfile = _card(spec, merged_dir, files, summary)
     atomic.write_text(out_dir / "README.md", card)
     atomic.write_text(out_dir / "Modelfile", modelfile)
@@ -110,6 +148,8 @@ def gguf_convert_and_push(spec: PipelineSpec, merged_dir: Path, adapter_dir: Pat
         upload = {f.name: f for f in files} | {"README.md": out_dir / "README.md", "Modelfile": out_dir / "Modelfile"}
         if push.include_adapter:
             upload |= {f"adapter/{p.name}": p for p in adapter_dir.iterdir() if p.is_file()}
+            if result.adapter is not None:
+                upload[result.adapter["file"]] = out_dir / result.adapter["file"]
         if push.include_merged:
             upload |= {f"merged/{p.name}": p for p in merged_dir.iterdir() if p.is_file()}
         pushed = push_folder(

@@ -28,6 +28,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from slimtune import atomic
 from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
+from slimtune.evaluate import perplexity
 from slimtune.spec import DataSpec, TrainSpec
 from slimtune.train import checkpoints
 from slimtune.train.callbacks import LogCallback, PrefectProgressCallback
@@ -73,6 +74,8 @@ class TrainReport:
     precision: str
     adapter_dir: str
     data: dict = field(default_factory=dict)
+    perplexity_before: float | None = None  # exp(eval loss): the held-out figure people compare across runs
+    perplexity_after: float | None = None
 
 
 class _Meter:
@@ -276,6 +279,8 @@ def train_adapter(
         precision=precision,
         adapter_dir=str(adapter_dir),
         data=examples.summary(),
+        perplexity_before=perplexity(eval_before),
+        perplexity_after=perplexity(eval_after),
     )
     if trainer.is_world_process_zero():
         atomic.write_json(run_dir / REPORT_FILE, asdict(report))

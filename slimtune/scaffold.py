@@ -1,0 +1,220 @@
+"""`slimtune init`: a commented starting spec from a model and a data file, without loading any weights.
+
+What it reads: the model's config.json (family, context length, shape for the memory estimate) and
+tokenizer (chat template, token lengths of the data); the data's first records (format). What it
+proposes: max_seq_length from the data's token lengths, and the largest micro-batch whose training
+estimate (slimtune.memory.estimate_train) fits the GPU memory given. Every field it sets carries a
+comment saying where the value came from, so the user can judge it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from slimtune.data import DataError, FieldError, detect_format, iter_records, render
+from slimtune.memory.estimate import estimate_train
+from slimtune.model_source import SUPPORTED_MODEL_TYPES, read_config
+from slimtune.spec import DEFAULT_TARGETS, DataSpec, ModelSpec, SpecError, parse_spec
+from slimtune.tiny import ensure_builtin, is_builtin
+
+_GIB = 1024**3
+_UNITS = {"": _GIB, "gib": _GIB, "gb": 10**9, "mib": 1024**2, "mb": 10**6}
+# Records tokenized to measure lengths: enough for a stable 99th percentile, bounded for big files.
+_SAMPLE_RECORDS = 2000
+# max_seq_length covers this share of examples; the longest 1% are truncated rather than making
+# every packed row (and the activation memory) longer for a handful of outliers.
+_LENGTH_QUANTILE = 0.99
+_LENGTH_STEP = 64  # rows in multiples of 64 tokens: tensor-core friendly, and readable
+# Sequences per optimizer step that the proposal aims for (micro-batch x accumulation), a common
+# QLoRA default (the QLoRA paper used 16 for most runs).
+_TARGET_BATCH = 16
+_MICRO_BATCHES = (64, 32, 16, 8, 4, 2, 1)
+
+
+class ScaffoldError(ValueError):
+    """`init` cannot propose a spec; the message names the option and what to give instead."""
+
+
+def parse_memory(text: str) -> int:
+    """'16GiB', '24GB', '80' (GiB) -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match and match[2].lower()
+    if not match or unit not in _UNITS or float(match[1]) <= 0:
+        raise ScaffoldError(f"--gpu-memory: got {text!r}; give a size such as 16GiB, 24GB or 80")
+    return int(float(match[1]) * _UNITS[unit])
+
+
+def _model_dir(name: str) -> Path:
+    """The local folder of config.json and tokenizer; a Hub id fetches those files only, no weights."""
+    try:
+        ModelSpec(name_or_path=name)
+    except ValueError as e:
+        raise ScaffoldError(f"--model {name}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    if is_builtin(name):
+        return ensure_builtin(name)
+    if Path(name).expanduser().is_dir():
+        return Path(name).expanduser()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.model", "*.jinja", "tokenizer*", "*.txt"]))
+    except Exception as e:  # offline, private, misspelled: one line naming the model
+        raise ScaffoldError(f"--model {name}: cannot fetch its config and tokenizer ({type(e).__name__}: {e})") from e
+
+
+def _token_lengths(data_path: str, tokenizer) -> tuple[str, list[int], int]:
+    """(format, token lengths of the sampled records, records read); skips malformed records."""
+    data = DataSpec(path=data_path)
+    fmt, lengths, seen = None, [], 0
+    for raw in iter_records(data_path):
+        if seen >= _SAMPLE_RECORDS:
+            break
+        seen += 1
+        if raw.problem is not None:
+            continue
+        try:
+            fmt = fmt or detect_format(raw.value, data)
+            lengths.append(len(render(raw.value, fmt, data, tokenizer)[0]))
+        except FieldError as e:
+            if fmt is None or "chat template" in str(e):
+                raise ScaffoldError(f"--data {data_path}: {raw.where}: {e}") from None
+    if not lengths:
+        raise ScaffoldError(f"--data {data_path}: no usable record among the first {seen}; check the file")
+    return fmt, lengths, seen
+
+
+def _propose_seq_len(lengths: list[int], context: int) -> int:
+    ordered = sorted(lengths)
+    at_quantile = ordered[min(len(ordered) - 1, math.ceil(_LENGTH_QUANTILE * len(ordered)) - 1)]
+    return max(_LENGTH_STEP, min(context, math.ceil(at_quantile / _LENGTH_STEP) * _LENGTH_STEP))
+
+
+def _propose_micro_batch(cfg: dict, seq_len: int, budget: int | None, checkpointing: Any) -> tuple[int, str]:
+    """The largest micro-batch whose estimate fits `budget`, and the comment that explains it."""
+    if budget is None:
+        return 4, "no --gpu-memory given and no GPU found: the default; re-run init with --gpu-memory to size it"
+    for mb in _MICRO_BATCHES:
+        est = estimate_train(
+            cfg,
+            micro_batch=mb,
+            seq_len=seq_len,
+            lora_r=16,
+            target_modules=DEFAULT_TARGETS,
+            checkpointing=checkpointing,
+        )
+        if est.gpu_bytes <= budget:
+            return mb, f"largest that fits {budget / _GIB:.1f} GiB: estimated {est.gpu_bytes / _GIB:.2f} GiB"
+    return 1, f"even 1 x {seq_len} is estimated at {est.gpu_bytes / _GIB:.2f} GiB, over {budget / _GIB:.1f} GiB"
+
+
+def _gpu_budget(gpu_memory: str | None) -> tuple[int | None, str]:
+    if gpu_memory is not None:
+        return parse_memory(gpu_memory), "auto"
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, "auto"
+    return None, "cpu"
+
+
+def scaffold_spec(model: str, data: str, *, gpu_memory: str | None = None, name: str | None = None) -> str:
+    """A commented YAML spec for `model` on `data` (validated before it is returned).
+
+    Raises:
+        ScaffoldError: the model, the data or --gpu-memory cannot be used; the message says which.
+    """
+    from transformers import AutoTokenizer
+
+    data_path = Path(data).expanduser()
+    if not data_path.is_file():
+        raise ScaffoldError(f"--data {data}: file not found; give a local .jsonl/.json/.parquet file")
+    budget, device = _gpu_budget(gpu_memory)
+    model_dir = _model_dir(model)
+    try:
+        cfg = read_config(model_dir)
+    except ValueError as e:
+        raise ScaffoldError(f"--model {model}: {e}") from None
+    family = cfg.get("model_type", "?")
+    if family not in SUPPORTED_MODEL_TYPES:
+        raise ScaffoldError(
+            f"--model {model}: architecture {family!r} is not supported; slimtune supports "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    has_template = bool(tokenizer.chat_template)
+    try:
+        fmt, lengths, seen = _token_lengths(str(data_path.resolve()), tokenizer)
+    except DataError as e:
+        raise ScaffoldError(f"--data {data}: {e}") from None
+    context = int(cfg.get("max_position_embeddings") or 4096)
+    seq_len = _propose_seq_len(lengths, context)
+    covered = sum(n <= seq_len for n in lengths)
+    checkpointing = False if device == "cpu" else "unsloth"
+    micro_batch, mb_note = _propose_micro_batch(cfg, seq_len, budget, checkpointing)
+    accumulation = max(1, _TARGET_BATCH // micro_batch)
+    run_name = name or re.sub(r"[^A-Za-z0-9._-]+", "-", f"{Path(model).name}-{data_path.stem}").strip("-.")[:64]
+
+    def line(key: str, value: Any, comment: str, indent: int = 2) -> str:
+        text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+        return f"{' ' * indent}{key}: {text}  # {comment}"
+
+    out = [
+        f"# slimtune spec proposed by `slimtune init` for {model} on {data_path.name}.",
+        "# Check it with `slimtune validate`, then `slimtune run`. Every field not written here keeps its default.",
+        line("name", run_name, "names the run directory", 0),
+        line("output_dir", "runs", "relative to this file's folder", 0),
+        "model:",
+        line("name_or_path", model, f"family {family} (config.json model_type), context {context} tokens"),
+    ]
+    if device == "cpu":
+        out.append(line("device", "cpu", "no GPU found and no --gpu-memory given"))
+    out += [
+        "lora:",
+        line("r", 16, "rank 16 on all projections: the QLoRA paper's setting"),
+        line("alpha", 16, "update scaled by alpha / r = 1"),
+        line("target_modules", DEFAULT_TARGETS, "attention and MLP projections of every layer"),
+        line(
+            "gradient_checkpointing",
+            checkpointing,
+            "recompute with layer inputs offloaded to host: least GPU memory"
+            if checkpointing
+            else "off on the CPU: it only saves GPU memory and costs time",
+        ),
+        "data:",
+        line("path", str(data_path.resolve()), f"{seen} records read to make this proposal"),
+        line(
+            "format",
+            fmt,
+            f"detected from the first record; the tokenizer {'has a' if has_template else 'has no'} chat template",
+        ),
+        line(
+            "max_seq_length",
+            seq_len,
+            f"covers {covered} of {len(lengths)} examples (longest {max(lengths)} tokens, median "
+            f"{sorted(lengths)[len(lengths) // 2]}); longer ones are truncated",
+        ),
+        line("eval_fraction", 0.1 if len(lengths) >= 20 else 0.0, "held out for eval loss and perplexity"),
+        "train:",
+        line("micro_batch_size", micro_batch, mb_note),
+        line(
+            "gradient_accumulation_steps",
+            accumulation,
+            f"{micro_batch * accumulation} packed rows per optimizer step",
+        ),
+        line("learning_rate", 2e-4, "the usual QLoRA learning rate for r=16"),
+        line("epochs", 1, "one pass; raise it for small data sets"),
+        "export:",
+        line("gguf", ["q8_0"], "add q4_k_m for a smaller file (needs llama-cpp-python)"),
+        "",
+    ]
+    text = "\n".join(out)
+    try:
+        parse_spec(yaml.safe_load(text), source="the proposed spec")
+    except SpecError as e:  # a bug here, not the user's: say so rather than print a spec that fails
+        raise ScaffoldError(f"the proposed spec does not validate ({e}); please report it") from None
+    return text

@@ -1,0 +1,99 @@
+"""`slimtune init`: a commented spec proposed from the tiny model and real data files, validated by load_spec."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from slimtune.scaffold import ScaffoldError, parse_memory, scaffold_spec
+from slimtune.spec import load_spec
+from slimtune.tiny import DATA_FILE, ensure_builtin, save_tiny
+
+MODEL = "builtin:tiny-llama"
+
+
+def _fields(text: str) -> list[str]:
+    """Lines of the spec that set a value (not section headers, not comment lines)."""
+    return [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#") and not ln.endswith(":")]
+
+
+def test_proposed_spec_validates_and_comments_every_field(tmp_path):
+    text = scaffold_spec(MODEL, str(DATA_FILE))
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    spec = load_spec(path)
+    assert spec.model.name_or_path == MODEL and spec.data.format == "messages"
+    assert all("  # " in line for line in _fields(text)), [ln for ln in _fields(text) if "  # " not in ln]
+    assert "family llama" in text and "has a chat template" in text
+
+
+def test_max_seq_length_covers_the_data(tmp_path):
+    from transformers import AutoTokenizer
+
+    from slimtune.data import load_examples
+    from slimtune.spec import DataSpec
+
+    spec = yaml.safe_load(scaffold_spec(MODEL, str(DATA_FILE)))
+    seq = spec["data"]["max_seq_length"]
+    tok = AutoTokenizer.from_pretrained(ensure_builtin(MODEL))
+    lengths = [len(e.input_ids) for e in load_examples(DataSpec(path=str(DATA_FILE), max_seq_length=4096), tok).train]
+    assert max(lengths) <= seq < max(lengths) + 64 or seq == 64  # the next multiple of 64, at least 64
+
+
+def test_more_gpu_memory_never_proposes_a_smaller_micro_batch():
+    small = yaml.safe_load(scaffold_spec(MODEL, str(DATA_FILE), gpu_memory="64MiB"))["train"]
+    large = yaml.safe_load(scaffold_spec(MODEL, str(DATA_FILE), gpu_memory="16GiB"))["train"]
+    assert small["micro_batch_size"] < large["micro_batch_size"]
+    for t in (small, large):  # accumulation keeps the optimizer batch near 16 rows
+        assert t["micro_batch_size"] * t["gradient_accumulation_steps"] >= min(16, t["micro_batch_size"])
+
+
+def test_prompt_completion_and_text_data_are_detected(tmp_path):
+    pc = tmp_path / "pc.jsonl"
+    pc.write_text("\n".join(json.dumps({"prompt": f"Q{i}?", "completion": f"A{i}."}) for i in range(30)) + "\n")
+    text = tmp_path / "text.jsonl"
+    text.write_text("\n".join(json.dumps({"text": f"line {i} of plain text"}) for i in range(5)) + "\n")
+    assert yaml.safe_load(scaffold_spec(MODEL, str(pc)))["data"]["format"] == "prompt_completion"
+    proposed = yaml.safe_load(scaffold_spec(MODEL, str(text)))
+    assert proposed["data"]["format"] == "text" and proposed["data"]["eval_fraction"] == 0.0  # 5 records
+
+
+def test_chat_data_on_a_tokenizer_without_template_is_refused(tmp_path):
+    from transformers import AutoTokenizer
+
+    model_dir = save_tiny(tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = None
+    tok.save_pretrained(model_dir)
+    (model_dir / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ScaffoldError, match="no chat template"):
+        scaffold_spec(str(model_dir), str(DATA_FILE))
+
+
+@pytest.mark.parametrize(("text", "expected"), [("16GiB", 16 * 1024**3), ("24GB", 24 * 10**9), ("80", 80 * 1024**3)])
+def test_parse_memory(text, expected):
+    assert parse_memory(text) == expected
+
+
+def test_cli_init_writes_the_spec_to_stdout_and_bad_input_exits_2(tmp_path):
+    ok = subprocess.run(
+        [sys.executable, "-m", "slimtune.cli", "init", "--model", MODEL, "--data", str(DATA_FILE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ok.returncode == 0, ok.stderr
+    (tmp_path / "spec.yaml").write_text(ok.stdout)
+    assert load_spec(tmp_path / "spec.yaml").data.path == str(DATA_FILE.resolve())
+    for args, field in (
+        (["--data", str(tmp_path / "missing.jsonl")], "--data"),
+        (["--data", str(DATA_FILE), "--gpu-memory", "lots"], "--gpu-memory"),
+        (["--data", str(DATA_FILE), "--model", str(tmp_path / "nope")], "--model"),
+    ):
+        model = [] if "--model" in args else ["--model", MODEL]
+        bad = subprocess.run(
+            [sys.executable, "-m", "slimtune.cli", "init", *model, *args], capture_output=True, text=True, timeout=300
+        )
+        assert bad.returncode == 2 and f"slimtune: error: ScaffoldError: {field}" in bad.stderr, bad.stderr
