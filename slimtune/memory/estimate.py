@@ -1,9 +1,10 @@
 """Memory estimates for each stage, from a Hugging Face `config.json` dict and plain numbers.
 
 The estimates exist so a run fails in one second with advice instead of after twenty minutes of
-loading. They count what dominates (weights, LoRA and optimizer state, saved activations, logits)
-and are calibrated against the reference table in DESIGN.md (Llama-3.1-8B shape, seq 2048 on an
-H100); see the comments next to each term.
+loading. They count what dominates (weights, LoRA and optimizer state, saved activations, logits,
+the CUDA context) and are calibrated against GPU measurements of the real stages
+(benchmarks/results/memory/, made by benchmarks/calibrate_memory.py): tests/test_memory_calibration.py
+holds every measured cell to [1.0, 1.15] x measured. See the comments next to each term.
 """
 
 from __future__ import annotations
