@@ -34,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     add_set_argument(val)
     val.add_argument("--json", action="store_true", help="print JSON instead of YAML")
     _add_workflow_commands(sub)
+    plan = sub.add_parser("plan", help="estimate each stage's memory for SPEC and say whether it fits")
+    plan.add_argument("spec", help="path to a YAML spec")
+    plan.add_argument("--gpu-memory", type=_size, help="the card's memory, e.g. 16GiB (default: this GPU's)")
+    plan.add_argument("--host-memory", type=_size, help="host memory, e.g. 16GiB (default: available now)")
+    add_set_argument(plan)
     return p
 
 
@@ -84,6 +89,17 @@ def _add_workflow_commands(sub) -> None:
     ev.set_defaults(func=_cmd_eval)
 
 
+def _size(text: str) -> int:
+    """'16GiB', '16GB', '12.5GiB' or bytes -> bytes."""
+    units = {"gib": 1024**3, "gb": 10**9, "mib": 1024**2, "mb": 10**6, "": 1}
+    t = text.strip().lower()
+    unit = next(u for u in units if t.endswith(u))
+    try:
+        return int(float(t[: len(t) - len(unit)] if unit else t) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 16GiB or 24GB") from None
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if not str(exc).startswith(type(exc).__name__) else text
@@ -104,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INVALID_SPEC
     if args.command == "validate":
         return _print_validated(args, spec)
+    if args.command == "plan":
+        from slimtune.plan import detected_budget, model_config, plan, render
+
+        budget = detected_budget(spec, args.gpu_memory, args.host_memory)
+        rows, limits = plan(spec, model_config(spec), budget)
+        print(render(spec, rows, limits, budget))
+        return 0 if all(r.gpu_fits is not False and r.host_fits is not False for r in rows) else 1
     from slimtune.flows import finetune
 
     try:

@@ -14,28 +14,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from slimtune.gguf_types import GGUF_ALIASES, GGUF_LLAMA_CPP, GGUF_NATIVE
 from slimtune.tiny import BUILTIN_PREFIX, FAMILIES, is_builtin
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-# GGUF output types: written by our converter (numpy quantizers of the `gguf` package) or by llama.cpp's
-# own quantizer (k-quants and i-quants; needs the optional llama-cpp-python extra).
-GGUF_NATIVE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q5_0")
-GGUF_LLAMA_CPP = (
-    "q2_k",
-    "q3_k_s",
-    "q3_k_m",
-    "q3_k_l",
-    "q4_k_s",
-    "q4_k_m",
-    "q5_k_s",
-    "q5_k_m",
-    "q6_k",
-    "iq4_xs",
-    "iq4_nl",
-)
 MAX_CRASH_RESUBMITS = 10
-GGUF_ALIASES = {"not_quantized": "f16", "fast_quantized": "q8_0", "quantized": "q4_k_m"}
+# merge.maximum_memory_usage is in (0, this]: the rest is headroom for the CUDA context, allocator
+# fragmentation and other processes. Read by the merge budgets and the merge retry ladder too.
+MERGE_MEMORY_USAGE_MAX = 0.95
 
 
 class _Section(BaseModel):
@@ -194,7 +181,14 @@ class DataSpec(_Section):
 class TrainSpec(_Section):
     """The training loop."""
 
-    micro_batch_size: int = Field(4, gt=0, le=4096, description="Packed rows per forward pass (> 0).")
+    micro_batch_size: int | Literal["auto"] = Field(
+        4,
+        description="Packed rows per forward pass (1-4096), or auto: the largest divisor of "
+        "effective_batch_size whose calibrated estimate fits the GPU budget, the rest as accumulation.",
+    )
+    effective_batch_size: int = Field(
+        16, gt=0, le=65536, description="Rows per optimizer step when micro_batch_size is auto (else unused)."
+    )
     gradient_accumulation_steps: int = Field(1, gt=0, le=65536, description="Micro-batches per optimizer step (> 0).")
     learning_rate: float = Field(2e-4, gt=0, le=1, description="Peak learning rate, in (0, 1].")
     lr_scheduler: Literal["linear", "cosine", "constant"] = Field("cosine", description="Decay after warmup.")
@@ -222,6 +216,13 @@ class TrainSpec(_Section):
     )
     num_gpus: int = Field(1, ge=1, le=64, description="Data-parallel GPUs on this host (torchrun).")
 
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _micro_batch(cls, v: int | str) -> int | str:
+        if v != "auto" and not 0 < v <= 4096:
+            raise ValueError(f"micro_batch_size is {v}: it must be greater than 0 and at most 4096, or auto")
+        return v
+
     @field_validator("kernels")
     @classmethod
     def _kernels(cls, v: str | list[str]) -> str | list[str]:
@@ -245,7 +246,7 @@ class MergeSpec(_Section):
     maximum_memory_usage: float = Field(
         0.9,
         gt=0,
-        le=0.95,
+        le=MERGE_MEMORY_USAGE_MAX,
         description="Fraction of free GPU (and available host) memory the merge may "
         "use, in (0, 0.95]. Lower it if the merge runs out of memory.",
     )

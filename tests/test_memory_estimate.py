@@ -32,8 +32,9 @@ LLAMA_31_8B = {
 }
 
 
-def _without_slack(est) -> int:
-    return est.gpu_bytes - est.breakdown["gpu: allocator slack"]
+def _allocator(est) -> int:
+    """What the caching allocator holds: the estimate less the CUDA context outside it."""
+    return est.gpu_bytes - est.context_gpu_bytes
 
 
 def _weights(est) -> int:
@@ -104,7 +105,9 @@ def test_nf4_llama_31_8b_is_5_7_gb():
     # DESIGN.md reference table: HF + peft, Llama-3.1-8B shape, seq 2048, peak allocated on an H100.
     [(False, 1, 20.67), (False, 4, 64.90), (True, 1, 9.80), (True, 4, 21.67)],
 )
-def test_train_estimate_matches_the_8b_reference(checkpointing, batch, measured_gib):
+def test_train_estimate_bounds_the_8b_reference(checkpointing, batch, measured_gib):
+    """Without kernels (eager HF + peft) the allocator part of the estimate is an upper bound within 25%;
+    the tight [1.0, 1.15] band is held against our own runs in tests/test_memory_calibration.py."""
     est = estimate_train(
         LLAMA_31_8B,
         micro_batch=batch,
@@ -113,11 +116,7 @@ def test_train_estimate_matches_the_8b_reference(checkpointing, batch, measured_
         target_modules="all-linear",
         checkpointing=checkpointing,
     )
-    # Tensors counted vs the allocator's peak: within 10% (computed: -1.5% to +9%; the per-layer count
-    # is the one verified on CPU below, and runs high without checkpointing on the H100).
-    assert abs(_without_slack(est) / _GIB - measured_gib) / measured_gib < 0.10
-    # With the allocator slack the estimate is an upper bound, so preflight does not pass a run that cannot fit.
-    assert est.gpu_bytes / _GIB >= measured_gib
+    assert 1.0 <= _allocator(est) / _GIB / measured_gib <= 1.25, _allocator(est) / _GIB
 
 
 def test_checkpointing_modes_order_and_offload_moves_to_host():
@@ -125,7 +124,7 @@ def test_checkpointing_modes_order_and_offload_moves_to_host():
     none = estimate_train(LLAMA_31_8B, checkpointing=False, **kw)
     standard = estimate_train(LLAMA_31_8B, checkpointing=True, **kw)
     offload = estimate_train(LLAMA_31_8B, checkpointing="unsloth", **kw)
-    chunked = estimate_train(LLAMA_31_8B, checkpointing="unsloth", logits_chunked=True, **kw)
+    chunked = estimate_train(LLAMA_31_8B, checkpointing="unsloth", kernels=("fused_linear_ce",), **kw)
     assert none.gpu_bytes > standard.gpu_bytes > offload.gpu_bytes > chunked.gpu_bytes
     assert offload.host_bytes - standard.host_bytes == 4 * 2048 * 32 * 4096 * 2  # layer inputs, bf16
     assert "train.micro_batch_size" in standard.fields["gpu"]
@@ -176,7 +175,7 @@ def test_activation_term_matches_saved_tensors_of_a_tiny_llama():
 def test_merge_and_export_estimates():
     merge = estimate_merge(LLAMA_31_8B, max_shard_bytes=5 * _GIB, output_dtype_bytes=2)
     assert 16.0e9 < merge.disk_bytes < 16.1e9  # 8.03e9 weights in bf16
-    assert merge.gpu_bytes < 2 * _GIB  # one layer at a time
+    assert _allocator(merge) < 1 * _GIB  # one layer at a time
     assert merge.fields["gpu"] == "merge.maximum_memory_usage"
 
     f16 = estimate_export(LLAMA_31_8B, out_types=["f16"])

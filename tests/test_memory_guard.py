@@ -441,6 +441,23 @@ def test_gpu_concurrency_holds_a_slot_of_the_gpu_limit(prefect_api):
         assert client.read_global_concurrency_limit_by_name("gpu-test").active_slots == 0
 
 
+def test_gpu_concurrency_creates_a_missing_limit_with_one_slot(prefect_api, caplog):
+    """No "Concurrency limits ['gpu'] do not exist" warning: the limit is created, then held."""
+    from prefect.client.orchestration import get_client
+
+    @flow
+    def run() -> int:
+        with gpu_concurrency("gpu-missing"), get_client(sync_client=True) as client:
+            return client.read_global_concurrency_limit_by_name("gpu-missing").active_slots
+
+    assert run() == 1
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name("gpu-missing")
+    assert (limit.limit, limit.active_slots) == (1, 0)
+    assert "do not exist" not in caplog.text
+    assert run() == 1  # the second run finds it and keeps it
+
+
 def test_report_markdown_lists_downshifts():
     records = [
         GuardRecord(

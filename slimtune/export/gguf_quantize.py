@@ -14,39 +14,15 @@ import os
 import tempfile
 from pathlib import Path
 
-# Methods our numpy converter writes directly (`convert_hf_to_gguf(out_type=...)`).
-CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q5_0")
+from slimtune.gguf_types import GGUF_ALIASES, GGUF_NATIVE, GGUF_TYPES
 
-# llama.cpp file types by canonical method name. q8_0/q4_0/q5_0/f16 are here too because llama.cpp can
-# also produce them (the q8_0 byte-equality test compares against it); the converter handles them itself.
-_LLAMA_FTYPES = {
-    "f32": "LLAMA_FTYPE_ALL_F32",
-    "f16": "LLAMA_FTYPE_MOSTLY_F16",
-    "bf16": "LLAMA_FTYPE_MOSTLY_BF16",
-    "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
-    "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
-    "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0",
-    "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
-    "q3_k_s": "LLAMA_FTYPE_MOSTLY_Q3_K_S",
-    "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
-    "q3_k_l": "LLAMA_FTYPE_MOSTLY_Q3_K_L",
-    "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
-    "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
-    "q5_k_s": "LLAMA_FTYPE_MOSTLY_Q5_K_S",
-    "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
-    "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
-    "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
-    "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
-}
+# Methods our numpy converter writes directly (`convert_hf_to_gguf(out_type=...)`); llama.cpp can write
+# every type too (the q8_0 byte-equality test compares against it).
+CONVERTER_TYPES = GGUF_NATIVE
+_LLAMA_FTYPES = {name: t.llama_ftype for name, t in GGUF_TYPES.items()}
 
-# User-facing names (spec values) -> canonical method. The three aliases follow the names people
-# know from Unsloth's `save_pretrained_gguf`.
-GGUF_METHODS: dict[str, str] = {
-    **{name: name for name in _LLAMA_FTYPES},
-    "not_quantized": "f16",
-    "fast_quantized": "q8_0",
-    "quantized": "q4_k_m",
-}
+# User-facing names (spec values) -> canonical method.
+GGUF_METHODS: dict[str, str] = {**{name: name for name in GGUF_TYPES}, **GGUF_ALIASES}
 
 _INSTALL_HINT = "install slimtune[llama-cpp] (pip install 'slimtune[llama-cpp]')"
 

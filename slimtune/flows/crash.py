@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import copy
 
+from slimtune.memory.downshift import next_train_shift
 from slimtune.spec import PipelineSpec
 
 
 def crash_downshift(parameters: dict) -> dict | None:
     """Flow parameters for the next attempt, or None when the spec's resubmit budget is spent.
 
-    Halves the micro-batch and doubles accumulation (same effective batch) while it can, then switches to
-    offloaded checkpointing; training resumes from the last complete checkpoint of the same run directory.
+    One step of the retry ladder's rule (`next_train_shift`), so the effective batch, and with it the
+    resume fingerprint, is unchanged: training resumes from the last complete checkpoint of the same run
+    directory. With nothing left to shift (micro-batch 1, offloaded) the run is re-submitted unchanged.
     """
     raw = parameters.get("spec")
     spec = PipelineSpec.model_validate(raw if raw is not None else {})
@@ -19,11 +21,14 @@ def crash_downshift(parameters: dict) -> dict | None:
         return None
     data = copy.deepcopy(spec.model_dump(mode="json"))
     train = data["train"]
-    if train["micro_batch_size"] > 1:
-        train["micro_batch_size"] //= 2
-        train["gradient_accumulation_steps"] *= 2
-    else:
-        data["lora"]["gradient_checkpointing"] = "unsloth"
+    # `auto` re-chooses from the estimate on the next run; only the checkpointing can shift under it.
+    micro_batch = 1 if train["micro_batch_size"] == "auto" else train["micro_batch_size"]
+    shift = next_train_shift(micro_batch, train["gradient_accumulation_steps"], data["lora"]["gradient_checkpointing"])
+    if shift is not None:
+        micro_batch, grad_accum, checkpointing, _note = shift
+        if train["micro_batch_size"] != "auto":
+            train.update(micro_batch_size=micro_batch, gradient_accumulation_steps=grad_accum)
+        data["lora"]["gradient_checkpointing"] = checkpointing
     train["resume"] = True
     data["resubmits"] = spec.resubmits + 1
     return {**parameters, "spec": data}

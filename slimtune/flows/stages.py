@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from slimtune import atomic
 from slimtune.device import resolve_compute_dtype, resolve_device
+from slimtune.kernels.apply import expected_kernels
 from slimtune.memory import (
     Estimate,
     GuardRecord,
@@ -33,7 +34,9 @@ from slimtune.memory import (
     publish_task_report,
     retry_on_memory_pressure,
 )
+from slimtune.memory.guard import gpu_shortfalls
 from slimtune.model_source import local_model_dir, read_config
+from slimtune.plan import auto_micro_batch
 from slimtune.spec import PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.cleanup import cleanup
@@ -46,6 +49,8 @@ from slimtune.train import ddp
 log = logging.getLogger(__name__)
 STAGES = ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Optimizer state per trainable parameter: AdamW's two float32 moments, or two 8-bit ones.
+_OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2}
 
 
 def _device(spec: PipelineSpec) -> str:
@@ -99,6 +104,39 @@ def _task(name: str, run_name: str):
     )
 
 
+def gpu_fits(est: Estimate, spec: PipelineSpec) -> bool:
+    """Whether `est` passes the guard's GPU preflight now (device free memory and the spec's budget)."""
+    dev = resolve_device(spec.model.device)
+    if dev.type != "cuda":
+        return True
+    return not gpu_shortfalls(est, dev, spec.guard.gpu_memory_fraction)
+
+
+def train_estimate(
+    spec: PipelineSpec, cfg: dict, micro_batch: int, checkpointing: bool | str, device_type: str | None = None
+) -> Estimate:
+    """The packed_sft estimate for `spec` at `micro_batch`: with the kernels the run will apply and the
+    optimizer it uses (shared by the stage, the planner and `micro_batch_size: auto`). `device_type`
+    plans for a device this machine may lack ("cuda": 16-bit compute); default: the spec's device."""
+    if device_type is None:
+        device = resolve_device(spec.model.device)
+        device_type, dtype_bytes = device.type, resolve_compute_dtype(spec.model.compute_dtype, device).itemsize
+    else:
+        dtype_bytes = _DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
+    return estimate_train(
+        cfg,
+        micro_batch=micro_batch,
+        seq_len=spec.data.max_seq_length,
+        lora_r=spec.lora.r,
+        target_modules=spec.lora.target_modules,
+        checkpointing=checkpointing,
+        optimizer_bytes_per_param=_OPTIMIZER_BYTES.get(spec.train.optimizer, 8),
+        kernels=expected_kernels(spec.train.kernels, device_type, cfg.get("model_type")),
+        compute_dtype_bytes=dtype_bytes,
+        on_gpu=device_type == "cuda",
+    )
+
+
 @_task("load_4bit", "load_4bit [{spec.name}]")
 def load_4bit_task(spec: PipelineSpec) -> dict:
     """Load the base model in NF4; the model stays in the process registry."""
@@ -124,23 +162,17 @@ def packed_sft_task(
     spec: PipelineSpec, handle: str | None, checkpointing_handle: str | None, examples_handle: str
 ) -> dict:
     """Train; each out-of-memory retry halves the micro-batch (doubling accumulation), then offloads."""
-    shift = downshift_train(
-        spec.train.micro_batch_size,
-        spec.train.gradient_accumulation_steps,
-        spec.lora.gradient_checkpointing,
-        current_attempt(),
-    )
+    cfg = read_config(local_model_dir(spec.model))
+    micro_batch, grad_accum, chosen = spec.train.micro_batch_size, spec.train.gradient_accumulation_steps, None
+    if micro_batch == "auto":
+        micro_batch, grad_accum, chosen = auto_micro_batch(
+            spec.train, lambda mb: gpu_fits(train_estimate(spec, cfg, mb, spec.lora.gradient_checkpointing), spec)
+        )
+        log.warning("packed_sft %s", chosen)
+    shift = downshift_train(micro_batch, grad_accum, spec.lora.gradient_checkpointing, current_attempt())
     for note in shift.notes:
         log.warning("packed_sft downshift: %s", note)
-    cfg = read_config(local_model_dir(spec.model))
-    est = estimate_train(
-        cfg,
-        micro_batch=shift.micro_batch,
-        seq_len=spec.data.max_seq_length,
-        lora_r=spec.lora.r,
-        target_modules=spec.lora.target_modules,
-        checkpointing=shift.checkpointing,
-    )
+    est = train_estimate(spec, cfg, shift.micro_batch, shift.checkpointing)
     with _guard("packed_sft", spec, est, shift.notes):
         if spec.train.num_gpus > 1:  # torchrun workers load, attach and train; rank 0 writes
             return ddp.launch(
@@ -158,7 +190,7 @@ def packed_sft_task(
             gradient_accumulation_steps=shift.grad_accum,
             gradient_checkpointing=shift.checkpointing,
         )
-        return asdict(report)
+        return {**asdict(report), "micro_batch_auto": chosen}
 
 
 @_task("cleanup", "cleanup [{spec.name}]")

@@ -88,6 +88,13 @@ def resolve_selection(selection: str | list[str] | tuple[str, ...], device_type:
     return names
 
 
+def expected_kernels(selection: str | list[str] | tuple[str, ...], device_type: str, family: str | None) -> list[str]:
+    """The kernels `apply_kernels` will apply for `selection` on a model of `family` (before it is loaded):
+    what memory estimates and the planner assume."""
+    names, _ = _resolve(selection, device_type, family)
+    return [n for n in names if n in _FAMILY_KERNELS.get(family or "", ())]
+
+
 def _resolve(selection, device_type: str, family: str | None) -> tuple[list[str], str]:
     """Names to try, and why `auto` chose none (empty when it chose some or was not asked)."""
     if isinstance(selection, str):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slimtune.memory.errors import MemoryPressure
+from slimtune.spec import MERGE_MEMORY_USAGE_MAX
 
 _MERGE_STEP = 0.1
 _MERGE_FLOOR = 0.1
@@ -52,6 +53,28 @@ def _smaller_divisor(n: int) -> int:
     return next(d for d in range(n // 2, 0, -1) if n % d == 0)
 
 
+def next_train_shift(
+    micro_batch: int, grad_accum: int, checkpointing: bool | str
+) -> tuple[int, int, bool | str, str] | None:
+    """The one downshift rule, used by the retry ladder and by the crash hook (flows/crash.py).
+
+    Returns (micro_batch, grad_accum, checkpointing, note) one step down, or None when nothing is
+    left. The micro-batch goes to its largest divisor <= half, so micro_batch x accumulation (the
+    effective batch, part of the resume fingerprint) is unchanged; at 1, checkpointing is offloaded.
+    """
+    if micro_batch > 1:
+        smaller = _smaller_divisor(micro_batch)
+        factor = micro_batch // smaller
+        note = (
+            f"micro-batch {micro_batch} -> {smaller}, gradient accumulation {grad_accum} -> "
+            f"{grad_accum * factor} (effective batch {micro_batch * grad_accum} unchanged)"
+        )
+        return smaller, grad_accum * factor, checkpointing, note
+    if checkpointing != "unsloth":
+        return micro_batch, grad_accum, "unsloth", f"gradient checkpointing {checkpointing!r} -> 'unsloth' (offloaded)"
+    return None
+
+
 def downshift_train(micro_batch: int, grad_accum: int, checkpointing: bool | str, attempt: int) -> TrainShift:
     """Settings for training attempt `attempt` (1 = as configured).
 
@@ -66,24 +89,16 @@ def downshift_train(micro_batch: int, grad_accum: int, checkpointing: bool | str
         raise ValueError(f"micro_batch {micro_batch}, grad_accum {grad_accum} and attempt {attempt} must all be >= 1")
     notes: list[str] = []
     for step in range(2, attempt + 1):
-        if micro_batch > 1:
-            smaller = _smaller_divisor(micro_batch)
-            factor = micro_batch // smaller
-            notes.append(
-                f"attempt {step}: micro-batch {micro_batch} -> {smaller}, gradient accumulation "
-                f"{grad_accum} -> {grad_accum * factor} (effective batch {micro_batch * grad_accum} unchanged)"
-            )
-            micro_batch, grad_accum = smaller, grad_accum * factor
-        elif checkpointing != "unsloth":
-            notes.append(f"attempt {step}: gradient checkpointing {checkpointing!r} -> 'unsloth' (offloaded)")
-            checkpointing = "unsloth"
-        else:
+        shift = next_train_shift(micro_batch, grad_accum, checkpointing)
+        if shift is None:
             raise DownshiftExhausted(
                 f"packed_sft ran out of memory at micro-batch 1 with offloaded ('unsloth') checkpointing "
                 f"after {step - 1} attempts. Lower data.max_seq_length, lower lora.r or target fewer "
                 "lora.target_modules, use an 8-bit optimizer, raise the memory budget, or use a GPU "
                 "with more memory."
             )
+        micro_batch, grad_accum, checkpointing, note = shift
+        notes.append(f"attempt {step}: {note}")
     return TrainShift(micro_batch, grad_accum, checkpointing, tuple(notes))
 
 
@@ -95,9 +110,10 @@ def downshift_merge(maximum_memory_usage: float, attempt: int) -> MergeShift:
     Raises:
         DownshiftExhausted: Once 0.1 has been tried, with advice.
     """
-    if not 0.0 < maximum_memory_usage <= 1.0 or attempt < 1:
+    if not 0.0 < maximum_memory_usage <= MERGE_MEMORY_USAGE_MAX or attempt < 1:
         raise ValueError(
-            f"merge.maximum_memory_usage is {maximum_memory_usage} (use (0, 1]) and attempt {attempt} (>= 1)"
+            f"merge.maximum_memory_usage is {maximum_memory_usage} (use (0, {MERGE_MEMORY_USAGE_MAX}]) and "
+            f"attempt {attempt} (>= 1)"
         )
     notes: list[str] = []
     value = maximum_memory_usage

@@ -44,6 +44,7 @@ class GuardRecord:
     peak_gpu_reserved: int | None = None
     peak_device_used: int | None = None
     peak_host_rss: int = 0
+    peak_host_anon: int = 0
     attempts: int = 1
     downshifts: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -67,14 +68,32 @@ def _shortfall(stage: str, resource: str, need: int, free: int, where: str, term
     )
 
 
-def _gpu_free(dev: torch.device, budget_bytes: int | None) -> tuple[int, str]:
+def _gpu_checks(est: Estimate, dev: torch.device, budget_bytes: int | None) -> list[tuple[int, int, str]]:
+    """(need, free, where) for the GPU: what the stage adds against what the device has free,
+    and what the allocator will hold against the per-process budget.
+
+    What this process already holds is counted once: the resident weights (when they are allocated
+    here: a DDP parent has none) and the CUDA context (when it exists) are part of the estimate and
+    are already missing from the device's free memory. The budget caps the caching allocator alone,
+    so the context is left out of that check.
+    """
     free, _total = torch.cuda.mem_get_info(dev)
+    here = est.context_gpu_bytes if torch.cuda.is_initialized() else 0
+    if torch.cuda.memory_allocated(dev) >= 0.9 * est.resident_gpu_bytes:
+        here += est.resident_gpu_bytes
+    checks = [(max(est.gpu_bytes - here, 0), free, f"on {dev} (device free; {here / _GIB:.2f} GiB already here)")]
     if budget_bytes is not None:
-        # The per-process cap counts this process's reserved blocks, not what the device has free.
-        left = max(budget_bytes - torch.cuda.memory_reserved(dev), 0)
-        if left < free:
-            return left, f"in the {budget_bytes / _GIB:.2f} GiB budget on {dev}"
-    return free, f"on {dev}"
+        where = f"in the {budget_bytes / _GIB:.2f} GiB budget on {dev} (allocator; context excluded)"
+        checks.append((est.gpu_bytes - est.context_gpu_bytes, budget_bytes, where))
+    return checks
+
+
+def gpu_shortfalls(est: Estimate, dev: torch.device, budget_fraction: float | None) -> list[str]:
+    """The GPU checks of `preflight` that `est` fails now, under a budget of `budget_fraction` of the device."""
+    budget = None
+    if budget_fraction is not None:
+        budget = int(torch.cuda.get_device_properties(dev).total_memory * budget_fraction)
+    return [where for need, free, where in _gpu_checks(est, dev, budget) if need > free]
 
 
 def preflight(
@@ -99,11 +118,11 @@ def preflight(
     # (resource, need, free, where, largest terms, spec field)
     checks: list[tuple[str, int, int, str, str, str]] = []
     if dev.type == "cuda":
-        free, where = _gpu_free(dev, budget_bytes)
-        checks.append(("GPU memory", est.gpu_bytes, free, where, est.top_terms("gpu: "), gpu_field or "the budget"))
+        for need, free, where in _gpu_checks(est, dev, budget_bytes):
+            checks.append(("GPU memory", need, free, where, est.top_terms("gpu: "), gpu_field or "the budget"))
         host_need, host_terms = est.host_bytes, est.top_terms("host: ")
     else:
-        host_need = est.host_bytes + est.gpu_bytes
+        host_need = est.host_bytes + est.gpu_bytes - est.context_gpu_bytes  # no CUDA context on a CPU
         host_terms = ", ".join(t for t in (est.top_terms("gpu: "), est.top_terms("host: ")) if t)
         host_field = " or ".join(dict.fromkeys(f for f in (gpu_field, host_field) if f))
     available = psutil.virtual_memory().available
@@ -207,6 +226,7 @@ def guarded(
                 record.peak_gpu_reserved = sampler.peak_gpu_reserved
                 record.peak_device_used = sampler.peak_device_used
                 record.peak_host_rss = sampler.peak_host_rss
+                record.peak_host_anon = sampler.peak_host_anon
                 record.sampler_overhead = sampler.overhead
         record.outcome = "completed"
     except PreflightError:
@@ -244,14 +264,35 @@ def gpu_slot() -> str:
     return os.environ.get("SLIMTUNE_GPU_SLOT", "gpu")
 
 
+def ensure_gpu_limit(slot: str) -> None:
+    """Create the global concurrency limit `slot` with 1 slot when the server lacks it.
+
+    Without it Prefect's `concurrency(..., strict=False)` warns "Concurrency limits [...] do not exist"
+    and does not wait, so two runs would share the GPU. A limit someone created (another size) is kept;
+    a create that races another run's create is fine.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(slot)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=slot, limit=1))
+            except ObjectAlreadyExists:
+                pass
+
+
 @contextmanager
 def gpu_concurrency(slot: str = "gpu") -> Iterator[None]:
     """Hold one slot of the Prefect global concurrency limit `slot` while a stage uses the GPU.
 
-    Create the limit once per server with `prefect gcl create gpu --limit 1`, so two flow runs on
-    one machine never share the GPU. Without a limit of that name Prefect proceeds without waiting
-    (strict=False), and outside a Prefect run with no PREFECT_API_URL this is a no-op rather than
-    starting a temporary server just to count slots.
+    The limit is created with one slot when missing (`ensure_gpu_limit`), so two flow runs on one
+    machine never share the GPU; raise it with `prefect gcl update gpu --limit N`. Outside a Prefect
+    run with no PREFECT_API_URL this is a no-op rather than starting a temporary server just to count
+    slots.
     """
     from prefect.context import FlowRunContext, TaskRunContext
     from prefect.settings import PREFECT_API_URL
@@ -261,5 +302,6 @@ def gpu_concurrency(slot: str = "gpu") -> Iterator[None]:
         return
     from prefect.concurrency.sync import concurrency
 
+    ensure_gpu_limit(slot)
     with concurrency(slot, occupy=1, strict=False):
         yield

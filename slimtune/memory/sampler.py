@@ -31,7 +31,8 @@ def _nvml_reader(device: torch.device):
     try:
         import pynvml  # nvidia-ml-py; torch.cuda.device_memory_used needs it
     except ImportError:
-        return None
+        # cudaMemGetInfo sees the same device-wide total (context and library workspaces included).
+        return lambda: (lambda free, total: total - free)(*torch.cuda.mem_get_info(device))
     try:
         torch.cuda.device_memory_used(device)
     except (pynvml.NVMLError, RuntimeError):  # no usable driver, or a device NVML cannot see
@@ -51,6 +52,8 @@ class PeakSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.peak_host_rss = 0
+        # RSS less file-backed and shared pages (mapped safetensors, a mapped GGUF): what the host must hold.
+        self.peak_host_anon = 0
         self.peak_gpu_allocated: int | None = 0 if self._cuda else None
         self.peak_gpu_reserved: int | None = 0 if self._cuda else None
         self.peak_device_used: int | None = 0 if self._nvml else None
@@ -62,8 +65,9 @@ class PeakSampler:
     def sample(self) -> None:
         """Take one sample and fold it into the peaks; also timed so overhead can be reported."""
         t0 = time.perf_counter()
-        rss = self._process.memory_info().rss
-        self.peak_host_rss = max(self.peak_host_rss, rss)
+        info = self._process.memory_info()
+        self.peak_host_rss = max(self.peak_host_rss, info.rss)
+        self.peak_host_anon = max(self.peak_host_anon, info.rss - getattr(info, "shared", 0))
         if self._cuda:
             self.peak_gpu_allocated = max(self.peak_gpu_allocated or 0, torch.cuda.memory_allocated(self.device))
             self.peak_gpu_reserved = max(self.peak_gpu_reserved or 0, torch.cuda.memory_reserved(self.device))

@@ -57,24 +57,36 @@ class QuantSpec:
             raise ValueError(f"merge quant.quant_storage {spec.quant_storage!r}: use one of {sorted(_STORAGE)}")
         return spec
 
+    def bnb_config(self, compute_dtype: torch.dtype | None = None):
+        """The `BitsAndBytesConfig` of these settings: what load_4bit loads with and the merge reproduces."""
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=self.quant_type,
+            bnb_4bit_use_double_quant=self.compress_statistics,
+            bnb_4bit_compute_dtype=compute_dtype,
+            bnb_4bit_quant_storage=_STORAGE[self.quant_storage],
+            llm_int8_skip_modules=list(self.skip_modules) or None,
+        )
+
     def as_json(self) -> dict:
         return {**self.__dict__, "skip_modules": list(self.skip_modules)}
+
+
+# The settings load_4bit trains with (blocksize 64 is bitsandbytes' fixed default for 4-bit loading).
+TRAINING_NF4 = QuantSpec()
 
 
 def quantized_tensor_names(base_dir: Path, spec: QuantSpec) -> set[str]:
     """Names of the weights bitsandbytes turns into Linear4bit, found with transformers' own replacement
     on a meta-device model (no memory; about 1 s for an 8B config), so lm_head/tied/skipped modules match."""
     import bitsandbytes as bnb
-    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import replace_with_bnb_linear
     from transformers.quantizers import AutoHfQuantizer
 
-    qc = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=spec.quant_type,
-        bnb_4bit_use_double_quant=spec.compress_statistics,
-        llm_int8_skip_modules=list(spec.skip_modules) or None,
-    )
+    qc = spec.bnb_config()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
     skip = AutoHfQuantizer.from_config(qc).get_modules_to_not_convert(

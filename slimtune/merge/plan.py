@@ -11,6 +11,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from slimtune.spec import MERGE_MEMORY_USAGE_MAX
+
 from .errors import DiskSpaceError
 from .safetensors_io import TensorEntry
 
@@ -30,9 +32,9 @@ def resolve_budgets(
     maximum_memory_usage: float, device: str | None, gpu_budget_bytes: int | None, host_budget_bytes: int | None
 ) -> Budgets:
     """Apply `maximum_memory_usage` to free GPU memory and available host memory; explicit bytes win."""
-    if not 0 < maximum_memory_usage <= 0.95:
+    if not 0 < maximum_memory_usage <= MERGE_MEMORY_USAGE_MAX:
         raise ValueError(
-            f"merge.maximum_memory_usage={maximum_memory_usage}: must be in (0, 0.95]; the "
+            f"merge.maximum_memory_usage={maximum_memory_usage}: must be in (0, {MERGE_MEMORY_USAGE_MAX}]; the "
             "rest is headroom for the CUDA context, allocator fragmentation and other processes"
         )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

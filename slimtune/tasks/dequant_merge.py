@@ -8,6 +8,7 @@ import torch
 
 from slimtune.device import resolve_compute_dtype, resolve_device
 from slimtune.merge import MergeReport, merge_adapter
+from slimtune.merge.nf4 import TRAINING_NF4
 from slimtune.model_source import local_model_dir
 from slimtune.spec import PipelineSpec
 
@@ -35,5 +36,5 @@ def dequant_merge(spec: PipelineSpec, adapter_dir: str, *, maximum_memory_usage:
         output_dtype=dtype,
         max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9),
         device=str(device),
-        quant={"dtype": trained_dtype},
+        quant={**TRAINING_NF4.as_json(), "dtype": trained_dtype},
     )

@@ -10,6 +10,7 @@ import torch
 from slimtune import registry
 from slimtune.device import resolve_compute_dtype, resolve_device
 from slimtune.memory import max_memory_with_headroom
+from slimtune.merge.nf4 import TRAINING_NF4
 from slimtune.model_source import check_model_dir, local_model_dir
 from slimtune.spec import PipelineSpec
 
@@ -46,19 +47,13 @@ def _attn_implementation(requested: str) -> str:
 def load_4bit(spec: PipelineSpec) -> LoadResult:
     """Load the base model quantized to NF4 (double quant) and register it; returns its handle."""
     import bitsandbytes as bnb
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     model_dir = local_model_dir(spec.model)
     cfg = check_model_dir(spec.model, model_dir)
     device = resolve_device(spec.model.device)
     dtype = resolve_compute_dtype(spec.model.compute_dtype, device)
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=dtype,
-        bnb_4bit_quant_storage=torch.uint8,
-    )
+    quant = TRAINING_NF4.bnb_config(dtype)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
         quantization_config=quant,

@@ -40,6 +40,7 @@ REPORT_FILE = "train_report.json"
 # TrainSpec fields that may change between a checkpoint and its resume without changing the result.
 _OPERATIONAL = {
     "micro_batch_size",
+    "effective_batch_size",
     "gradient_accumulation_steps",
     "resume",
     "empty_cache_steps",

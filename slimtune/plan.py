@@ -1,0 +1,199 @@
+"""`slimtune plan SPEC`: will this run fit my card? Estimates per stage before anything is loaded.
+
+Reads only the model's config.json (a local folder, a built-in tiny model, or that one file from the Hub)
+and counts the data records; imports no model code. The estimates are the calibrated ones the guard's
+preflight uses (`slimtune.memory.estimate`, held to GPU measurements by tests/test_memory_calibration.py),
+so the verdicts here are the preflight's verdicts.
+
+GPU budget: `gpu_total` is the card's whole memory (device-wide: the CUDA context counts). With
+`guard.gpu_memory_fraction` the caching allocator is also capped at that share of the card, as the
+guard does, and the context is outside that cap.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from slimtune.memory.estimate import Estimate, estimate_export, estimate_load_4bit, estimate_merge
+from slimtune.spec import PipelineSpec
+
+_GIB = 1024**3
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_SEQ_STEP = 256  # sequence lengths the planner tries are multiples of this
+_MAX_MICRO_BATCH = 256
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the run may use: the card's memory, the allocator's share of it, host memory (bytes)."""
+
+    gpu_total: int | None
+    gpu_fraction: float | None
+    host: int | None
+
+    def gpu_fits(self, est: Estimate) -> bool | None:
+        """None when there is no GPU budget to compare with."""
+        if self.gpu_total is None:
+            return None
+        ok = est.gpu_bytes <= self.gpu_total
+        if self.gpu_fraction is not None:
+            ok = ok and est.gpu_bytes - est.context_gpu_bytes <= self.gpu_fraction * self.gpu_total
+        return ok
+
+    def host_fits(self, est: Estimate) -> bool | None:
+        return None if self.host is None else est.host_bytes <= self.host
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: str
+    estimate: Estimate
+    gpu_fits: bool | None
+    host_fits: bool | None
+
+
+def model_config(spec: PipelineSpec) -> dict:
+    """config.json of the spec's model, without downloading weights."""
+    from slimtune.model_source import local_model_dir, read_config
+    from slimtune.tiny import is_builtin
+
+    path = Path(spec.model.name_or_path).expanduser()
+    if path.is_dir():
+        return read_config(path)
+    if is_builtin(spec.model.name_or_path):
+        return read_config(local_model_dir(spec.model))
+    from huggingface_hub import hf_hub_download
+
+    return json.loads(
+        Path(hf_hub_download(spec.model.name_or_path, "config.json", revision=spec.model.revision)).read_text()
+    )
+
+
+def detected_budget(spec: PipelineSpec, gpu_total: int | None, host: int | None) -> Budget:
+    """The given budgets, else this machine's GPU (device 0) and available host memory."""
+    if gpu_total is None:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu_total = torch.cuda.mem_get_info()[1]
+    if host is None:
+        import psutil
+
+        host = psutil.virtual_memory().available
+    return Budget(gpu_total, spec.guard.gpu_memory_fraction, host)
+
+
+def micro_batch_candidates(train) -> list[int]:
+    """Micro-batches `auto` may choose: divisors of the effective batch, so accumulation keeps it exact;
+    for a fixed micro-batch, 1 to 256 (what the planner reports as the largest that fits)."""
+    if train.micro_batch_size == "auto":
+        n = train.effective_batch_size
+        return [d for d in range(1, n + 1) if n % d == 0]
+    return list(range(1, _MAX_MICRO_BATCH + 1))
+
+
+def auto_micro_batch(train, fits) -> tuple[int, int, str]:
+    """(micro_batch, accumulation, note) for `micro_batch_size: auto`: the largest divisor of the effective
+    batch for which `fits(micro_batch)` holds; 1 when none does (the preflight then says why)."""
+    n = train.effective_batch_size
+    best = largest_micro_batch(fits, micro_batch_candidates(train))
+    mb = best or 1
+    note = f"micro_batch_size auto: {mb} x {n // mb} accumulation (effective batch {n}); " + (
+        "the largest divisor whose estimate fits the budget" if best else "none fits the budget, trying 1"
+    )
+    return mb, n // mb, note
+
+
+def largest_micro_batch(fits, candidates: list[int]) -> int | None:
+    """The largest candidate for which `fits(micro_batch)` holds (estimates grow with the micro-batch)."""
+    return next((mb for mb in sorted(candidates, reverse=True) if fits(mb)), None)
+
+
+def _largest_seq(spec: PipelineSpec, cfg: dict, budget: Budget, micro_batch: int, device_type: str) -> int | None:
+    from slimtune.flows.stages import train_estimate
+
+    limit = int(cfg.get("max_position_embeddings") or 131072)
+    lo, hi = 0, limit // _SEQ_STEP
+    while lo < hi:  # largest k with seq = k * step fitting; the estimate grows with seq
+        mid = (lo + hi + 1) // 2
+        s = spec.model_copy(update={"data": spec.data.model_copy(update={"max_seq_length": mid * _SEQ_STEP})})
+        if budget.gpu_fits(train_estimate(s, cfg, micro_batch, spec.lora.gradient_checkpointing, device_type)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * _SEQ_STEP or None
+
+
+def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan], dict]:
+    """Per-stage estimates with verdicts, and the largest micro-batch and sequence length that fit."""
+    from slimtune.flows.stages import train_estimate
+
+    # With a GPU budget the plan is for a GPU, whether or not this machine has one.
+    device_type = "cuda" if budget.gpu_total is not None and spec.model.device != "cpu" else "cpu"
+    dtype_bytes = _DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
+    micro_batch = spec.train.micro_batch_size
+    candidates = micro_batch_candidates(spec.train)
+    fits = budget.gpu_fits
+    ckpt = spec.lora.gradient_checkpointing
+    best_mb = None
+    if budget.gpu_total is not None:
+        best_mb = largest_micro_batch(lambda mb: fits(train_estimate(spec, cfg, mb, ckpt, device_type)), candidates)
+    if micro_batch == "auto":
+        micro_batch = best_mb or 1
+    stages = {
+        "load_4bit": estimate_load_4bit(cfg, compute_dtype_bytes=dtype_bytes),
+        "packed_sft": train_estimate(spec, cfg, micro_batch, ckpt, device_type),
+    }
+    if spec.merge.enabled:
+        stages["dequant_merge"] = estimate_merge(
+            cfg,
+            max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9),
+            output_dtype_bytes=_DTYPE_BYTES.get(spec.merge.output_dtype, 2),
+        )
+        if spec.export.gguf:
+            stages["gguf_convert_and_push"] = estimate_export(cfg, out_types=spec.export.gguf)
+    rows = [StagePlan(name, est, fits(est), budget.host_fits(est)) for name, est in stages.items()]
+    limits = {
+        "micro_batch": micro_batch,
+        "largest_micro_batch": best_mb,
+        "largest_seq_len": _largest_seq(spec, cfg, budget, micro_batch, device_type) if budget.gpu_total else None,
+    }
+    return rows, limits
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / _GIB:.2f} GiB"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "no budget" if ok is None else ("fits" if ok else "DOES NOT FIT")
+
+
+def render(spec: PipelineSpec, rows: list[StagePlan], limits: dict, budget: Budget) -> str:
+    """The plan as text: budgets, each stage's estimate with its main terms and verdicts, the limits."""
+    cap = f", allocator capped at {spec.guard.gpu_memory_fraction:g} of it" if budget.gpu_fraction else ""
+    lines = [
+        f"plan for {spec.name}: {spec.model.name_or_path}, micro-batch {limits['micro_batch']} x "
+        f"{spec.data.max_seq_length} tokens, checkpointing {spec.lora.gradient_checkpointing}, "
+        f"kernels {spec.train.kernels}",
+        f"budget: GPU {_gib(budget.gpu_total)}{cap}; host {_gib(budget.host)}",
+    ]
+    for row in rows:
+        est = row.estimate
+        lines.append(f"- {row.stage}:")
+        if est.gpu_bytes:
+            lines.append(
+                f"    GPU  {_gib(est.gpu_bytes):>11}  {_verdict(row.gpu_fits):12}  {est.top_terms('gpu: ', 4)}"
+            )
+        lines.append(f"    host {_gib(est.host_bytes):>11}  {_verdict(row.host_fits):12}  {est.top_terms('host: ', 3)}")
+        if est.disk_bytes:
+            lines.append(f"    disk {_gib(est.disk_bytes):>11}  {'':12}  {est.top_terms('disk: ', 2)}")
+    if budget.gpu_total is not None:
+        best = limits["largest_micro_batch"]
+        lines.append(
+            f"largest micro-batch that fits at {spec.data.max_seq_length} tokens: {best or 'none'}; "
+            f"largest sequence length at micro-batch {limits['micro_batch']}: {limits['largest_seq_len'] or 'none'}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""`slimtune plan` and `micro_batch_size: auto`: verdicts from the calibrated estimates, config.json only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slimtune.plan import Budget, auto_micro_batch, micro_batch_candidates, plan, render
+from slimtune.spec import parse_spec
+
+_GIB = 1024**3
+DATA = Path(__file__).resolve().parent.parent / "deployments" / "data" / "tiny_chat.jsonl"
+LLAMA_8B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+
+
+def _spec(tmp_path: Path, **train):
+    model = tmp_path / "llama-8b"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(LLAMA_8B))  # no weights: the planner reads nothing else
+    return parse_spec(
+        {
+            "name": "plan",
+            "output_dir": str(tmp_path / "runs"),
+            "model": {"name_or_path": str(model)},
+            "lora": {"gradient_checkpointing": "unsloth"},
+            "data": {"path": str(DATA), "max_seq_length": 2048},
+            "train": {"micro_batch_size": 4, **train},
+            "export": {"gguf": ["f16"]},
+        }
+    )
+
+
+def test_16_gib_card_fits_the_8b_run_and_6_gib_does_not(tmp_path):
+    spec = _spec(tmp_path)
+    rows, limits = plan(spec, LLAMA_8B, Budget(16 * _GIB, None, 16 * _GIB))
+    verdicts = {r.stage: r.gpu_fits for r in rows}
+    assert verdicts["load_4bit"] and verdicts["packed_sft"]
+    assert limits["largest_micro_batch"] >= 4  # measured: 4 x 2048 peaks at 9.89 GiB device-wide
+    assert limits["largest_seq_len"] >= 2048
+    text = render(spec, rows, limits, Budget(16 * _GIB, None, 16 * _GIB))
+    assert "packed_sft" in text and "largest micro-batch" in text and "DOES NOT FIT" not in text
+    # 6 GiB: even micro-batch 1 does not fit (the weights and LoRA state alone are 6.0 GiB).
+    rows, limits = plan(spec, LLAMA_8B, Budget(6 * _GIB, None, 16 * _GIB))
+    assert not {r.stage: r.gpu_fits for r in rows}["packed_sft"]
+    assert limits["largest_micro_batch"] is None
+
+
+def test_budget_fraction_caps_the_allocator_as_the_guard_does(tmp_path):
+    total = 80 * _GIB
+    spec = _spec(tmp_path, micro_batch_size=1)
+    fits = {
+        gib: {r.stage: r.gpu_fits for r in plan(spec, LLAMA_8B, Budget(total, gib * _GIB / total, None))[0]}
+        for gib in (6, 7)
+    }
+    # The H100 runs (benchmarks/results/memory): refused by preflight at 6 GiB, completed at 7 GiB.
+    assert fits[6]["packed_sft"] is False and fits[7]["packed_sft"] is True
+
+
+def test_auto_takes_the_largest_divisor_that_fits_and_keeps_the_effective_batch(tmp_path):
+    train = _spec(tmp_path, micro_batch_size="auto", effective_batch_size=12).train
+    assert micro_batch_candidates(train) == [1, 2, 3, 4, 6, 12]
+    assert auto_micro_batch(train, lambda mb: mb <= 5)[:2] == (4, 3)
+    assert auto_micro_batch(train, lambda mb: True)[:2] == (12, 1)
+    mb, accum, note = auto_micro_batch(train, lambda mb: False)
+    assert (mb, accum) == (1, 12) and "none fits" in note
+
+
+def test_auto_in_the_plan_reports_the_choice(tmp_path):
+    spec = _spec(tmp_path, micro_batch_size="auto", effective_batch_size=16)
+    _, limits = plan(spec, LLAMA_8B, Budget(16 * _GIB, None, None))
+    assert limits["micro_batch"] in (1, 2, 4, 8, 16) and limits["micro_batch"] == max(
+        d for d in (1, 2, 4, 8, 16) if d <= limits["largest_micro_batch"]
+    )
+
+
+@pytest.mark.parametrize("bad", [0, 5000, "big"])
+def test_micro_batch_size_accepts_1_to_4096_or_auto(tmp_path, bad):
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        _spec(tmp_path, micro_batch_size=bad)
+
+
+def test_cli_plan_prints_every_stage_and_exits_1_when_something_does_not_fit(tmp_path, capsys):
+    import yaml
+
+    from slimtune.cli import main
+
+    spec = _spec(tmp_path)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    assert main(["plan", str(path), "--gpu-memory", "16GiB", "--host-memory", "16GiB"]) == 0
+    out = capsys.readouterr().out
+    for stage in ("load_4bit", "packed_sft", "dequant_merge", "gguf_convert_and_push"):
+        assert stage in out
+    assert main(["plan", str(path), "--gpu-memory", "6GiB", "--host-memory", "16GiB"]) == 1
