@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 # Prefect reads its settings at import; telemetry calls fail without internet and only add noise, and
@@ -38,10 +39,13 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `slimtune` command; returns the exit code."""
     args = _parser().parse_args(argv)
+    from slimtune.checks import spec_problems
     from slimtune.spec import SpecError, load_spec
 
     try:
         spec = load_spec(args.spec)
+        if problems := spec_problems(spec):  # the machine and the files the spec names, before any model loads
+            raise SpecError(problems, args.spec)
     except SpecError as e:
         print(e, file=sys.stderr)
         print(f"slimtune: error: {len(e.problems)} problem(s) in {args.spec}", file=sys.stderr)
@@ -50,10 +54,27 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(spec.model_dump(mode="json"), indent=2))
         print(f"slimtune: {args.spec} is valid", file=sys.stderr)
         return 0
-    from slimtune.flows import finetune
+    from prefect.exceptions import TerminationSignal
+
+    from slimtune.interrupt import Interrupted, exit_code, exit_now, interruptible, start_shielded_prefect_server
+    from slimtune.run_lock import RunLocked, run_lock
 
     try:
-        summary = finetune(spec)
+        with run_lock(spec.run_dir()), interruptible():
+            from slimtune.flows import finetune
+
+            start_shielded_prefect_server()
+            summary = finetune(spec)
+    except RunLocked as e:
+        print(f"slimtune: error: {e}", file=sys.stderr)
+        return EXIT_INVALID_SPEC
+    except (Interrupted, TerminationSignal) as e:  # SIGTERM may surface as Prefect's TerminationSignal
+        signum = getattr(e, "signum", getattr(e, "signal", 15))
+        name = signal.Signals(signum).name
+        print(
+            f"slimtune: error: interrupted ({name}); run it again to resume from the last checkpoint", file=sys.stderr
+        )
+        exit_now(exit_code(signum))
     except KeyboardInterrupt:
         print("slimtune: error: interrupted", file=sys.stderr)
         return 130
