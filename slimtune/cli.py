@@ -26,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="validate SPEC and run the whole pipeline (Prefect flow)")
     run.add_argument("spec", help="path to a YAML spec, e.g. deployments/tiny.yaml")
+    run.add_argument("--debug", action="store_true", help="show tracebacks (hidden by default: one line per error)")
     val = sub.add_parser("validate", help="check SPEC and print it with every default filled in")
     val.add_argument("spec", help="path to a YAML spec")
     return p
@@ -56,17 +57,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from prefect.exceptions import TerminationSignal
 
+    from slimtune.console import hide_tracebacks
+    from slimtune.data import DataError
     from slimtune.interrupt import Interrupted, exit_code, exit_now, interruptible, start_shielded_prefect_server
+    from slimtune.model_source import ModelSourceError
     from slimtune.run_lock import RunLocked, run_lock
 
+    if not args.debug:
+        hide_tracebacks()
     try:
         with run_lock(spec.run_dir()), interruptible():
             from slimtune.flows import finetune
 
             start_shielded_prefect_server()
             summary = finetune(spec)
-    except RunLocked as e:
-        print(f"slimtune: error: {e}", file=sys.stderr)
+    except (RunLocked, SpecError, DataError, ModelSourceError) as e:  # bad input found by the flow itself
+        print(f"slimtune: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_INVALID_SPEC
     except (Interrupted, TerminationSignal) as e:  # SIGTERM may surface as Prefect's TerminationSignal
         signum = getattr(e, "signum", getattr(e, "signal", 15))

@@ -142,3 +142,28 @@ def test_yaml_that_would_lose_settings(case, content, needle, tmp_path, capsys, 
     assert code == EXIT_INVALID_SPEC and needle in err, err
     assert "Traceback" not in err
     observe(next(line.strip() for line in err.splitlines() if needle in line)[:200])
+
+
+@pytest.mark.fault(
+    "Bad input: found by the flow",
+    stage="data",
+    expect="`slimtune run` exits 2 with one line naming file:line; no traceback without --debug",
+)
+def test_data_error_in_the_flow_is_one_line_without_traceback(tmp_path, observe):
+    import subprocess
+
+    from faultlib import DATA, REPO
+
+    data = tmp_path / "chat.jsonl"
+    lines = DATA.read_text(encoding="utf-8").splitlines()[:20]
+    data.write_text("\n".join(lines[:5] + ['{"messages": [{"role": "user"'] + lines[5:]) + "\n", encoding="utf-8")
+    spec = _spec_file(tmp_path, data={"path": str(data)})
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
+    done = subprocess.run(
+        [sys.executable, "-m", "slimtune.cli", "run", str(spec)], capture_output=True, text=True, env=env, timeout=600
+    )
+    errors = [line for line in done.stderr.splitlines() if line.startswith("slimtune: error:")]
+    assert done.returncode == EXIT_INVALID_SPEC, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert len(errors) == 1 and f"{data}:6" in errors[0], errors
+    observe(errors[0].replace(str(tmp_path), "…")[:200])
