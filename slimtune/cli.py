@@ -63,12 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     from slimtune.model_source import ModelSourceError
     from slimtune.run_lock import RunLocked, run_lock
 
-    if not args.debug:
-        hide_tracebacks()
     try:
         with run_lock(spec.run_dir()), interruptible():
             from slimtune.flows import finetune
 
+            if not args.debug:
+                hide_tracebacks()  # after the flow's import: importing Prefect's flow API configures its logging
             start_shielded_prefect_server()
             summary = finetune(spec)
     except (RunLocked, SpecError, DataError, ModelSourceError) as e:  # bad input found by the flow itself

@@ -11,8 +11,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import tempfile
 from pathlib import Path
+
+from slimtune import atomic
 
 # Methods our numpy converter writes directly (`convert_hf_to_gguf(out_type=...)`).
 CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q5_0")
@@ -107,7 +108,7 @@ def quantize_gguf(src: Path, out: Path, method: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, _LLAMA_FTYPES[canonical])
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    fd, tmp_name = atomic.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
 
 from slimtune import atomic
 from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
@@ -256,10 +257,18 @@ def train_adapter(
     trainer.add_callback(_EvalBefore(trainer))
     began = trainer.began = time.perf_counter()
     trainer.seconds_before = seconds_before
-    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    if resume_from is not None and _finished(resume_from):
+        _restore_finished(trainer, model, resume_from)
+    else:
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     eval_before = trainer.checkpoint_state["eval_loss_before"] if eval_before is None else eval_before
     train_seconds = time.perf_counter() - began
     training_seconds = trainer.training_seconds()
+    last = checkpoints.latest_checkpoint(ckpt_root)
+    last_state = checkpoints.read_state(last) if last is not None else {}
+    if last_state.get("step") == trainer.state.global_step and "train_seconds" in last_state:
+        # training ended on a checkpoint: report its time, so a re-run that resumes it reports the same
+        training_seconds = last_state["train_seconds"]
     eval_after = trainer.evaluate()["eval_loss"] if eval_rows else None
 
     adapter_dir = run_dir / "adapter"
@@ -481,6 +490,27 @@ def _find_resume(
     return None, None, message
 
 
+def _finished(checkpoint: Path) -> bool:
+    """True when `checkpoint` was written at the last step of its training."""
+    state = json.loads((checkpoint / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
+    return 0 < state.get("max_steps", 0) <= state.get("global_step", 0)
+
+
+def _restore_finished(trainer: Trainer, model, checkpoint: Path) -> None:
+    """Load a finished checkpoint's adapter weights and trainer state instead of training.
+
+    Trainer (transformers 5.23) resumed at the final step still trains one more step before it checks
+    max_steps (measured: a re-run of a 4-step run reported 5 steps and published other weights), so a
+    finished run is restored, not resumed.
+    """
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(model, load_file(checkpoint / "adapter_model.safetensors"))
+    trainer.state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE_NAME))
+    log.info("%s is the finished checkpoint of this run: restored, nothing left to train", checkpoint)
+
+
 def _canonical_adapter_config(path: Path) -> None:
     """Rewrite peft's adapter_config.json with sorted module lists: peft writes `target_modules` from a set,
     in an order that changes with PYTHONHASHSEED, so equal adapters gave different bytes and the merge's
@@ -498,5 +528,5 @@ def _save_adapter(model, tokenizer, final: Path) -> Path:
     model.save_pretrained(tmp)
     _canonical_adapter_config(tmp / "adapter_config.json")
     tokenizer.save_pretrained(tmp)
-    atomic.replace_dir(tmp, final)
+    atomic.replace_dir(atomic.follow_umask(tmp), final)
     return final
