@@ -9,12 +9,53 @@ import tempfile
 from pathlib import Path
 
 
+def umask() -> int:
+    """The process umask, read without changing it (os.umask can only be read by setting it, which races
+    with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def mkstemp(prefix: str, suffix: str, dir: Path) -> tuple[int, str]:
+    """`tempfile.mkstemp` whose file gets the mode an ordinary new file gets (0666 less the umask), not 0600:
+    it is published by a rename, and a GGUF an Ollama service account cannot read is useless."""
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=dir)
+    os.fchmod(fd, 0o666 & ~umask())
+    return fd, name
+
+
+def mkdtemp(prefix: str, dir: Path, suffix: str | None = None) -> Path:
+    """`tempfile.mkdtemp` whose folder gets the mode of an ordinary new folder (0777 less the umask), not 0700:
+    temporary folders are published by a rename (merged/)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=dir))
+    path.chmod(0o777 & ~umask())
+    return path
+
+
+def follow_umask(folder: Path) -> Path:
+    """Give every file and folder under `folder` the mode a new one gets from the umask, before it is published.
+
+    What libraries write is not always so: the adapter's and checkpoints' adapter_model.safetensors came out
+    0600 (measured, umask 022), unreadable to an Ollama service account or a teammate.
+    """
+    mask = umask()
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+    return folder
+
+
 def write_text(path: Path, text: str) -> Path:
     """Write `text` to `path` atomically (readers see the old file or the whole new one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp creates 0600; reports and state are meant to be readable
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

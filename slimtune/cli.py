@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from slimtune import __version__
@@ -29,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="validate SPEC and run the whole pipeline (Prefect flow)")
     run.add_argument("spec", help="path to a YAML spec, e.g. deployments/tiny.yaml")
     add_set_argument(run)
+    run.add_argument("--debug", action="store_true", help="show tracebacks (hidden by default: one line per error)")
     val = sub.add_parser("validate", help="check SPEC and print it with every default filled in (YAML)")
     val.add_argument("spec", help="path to a YAML spec")
     add_set_argument(val)
@@ -110,10 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if getattr(args, "func", None) is not None:
         return args.func(args)
+    from slimtune.checks import spec_problems
     from slimtune.spec import SpecError, load_spec
 
     try:
         spec = load_spec(args.spec, args.overrides)
+        # The machine and the files the spec names, before any model loads. Not for `plan`, which answers
+        # "would this fit that card?" on any machine.
+        if args.command != "plan" and (problems := spec_problems(spec)):
+            raise SpecError(problems, args.spec)
     except SpecError as e:
         print(e, file=sys.stderr)
         print(f"slimtune: error: {len(e.problems)} problem(s) in {args.spec}", file=sys.stderr)
@@ -127,10 +134,32 @@ def main(argv: list[str] | None = None) -> int:
         rows, limits = plan(spec, model_config(spec), budget)
         print(render(spec, rows, limits, budget))
         return 0 if all(r.gpu_fits is not False and r.host_fits is not False for r in rows) else 1
-    from slimtune.flows import finetune
+    from prefect.exceptions import TerminationSignal
+
+    from slimtune.console import hide_tracebacks
+    from slimtune.data import DataError
+    from slimtune.interrupt import Interrupted, exit_code, exit_now, interruptible, start_shielded_prefect_server
+    from slimtune.model_source import ModelSourceError
+    from slimtune.run_lock import RunLocked, run_lock
 
     try:
-        summary = finetune(spec)
+        with run_lock(spec.run_dir()), interruptible():
+            from slimtune.flows import finetune
+
+            if not args.debug:
+                hide_tracebacks()  # after the flow's import: importing Prefect's flow API configures its logging
+            start_shielded_prefect_server()
+            summary = finetune(spec)
+    except (RunLocked, SpecError, DataError, ModelSourceError) as e:  # bad input found by the flow itself
+        print(f"slimtune: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_INVALID_SPEC
+    except (Interrupted, TerminationSignal) as e:  # SIGTERM may surface as Prefect's TerminationSignal
+        signum = getattr(e, "signum", getattr(e, "signal", 15))
+        name = signal.Signals(signum).name
+        print(
+            f"slimtune: error: interrupted ({name}); run it again to resume from the last checkpoint", file=sys.stderr
+        )
+        exit_now(exit_code(signum))
     except KeyboardInterrupt:
         print("slimtune: error: interrupted", file=sys.stderr)
         return 130

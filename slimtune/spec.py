@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from slimtune.gguf_types import GGUF_ALIASES, GGUF_LLAMA_CPP, GGUF_NATIVE
 from slimtune.tiny import BUILTIN_PREFIX, FAMILIES, is_builtin
@@ -27,6 +27,25 @@ MERGE_MEMORY_USAGE_MAX = 0.95
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_scalars(cls, v: Any, info: ValidationInfo) -> Any:
+        """No silent coercion between booleans and numbers: `lora.r: true` is not rank 1, `resume: 1` is not
+        true. (Pydantic's lax mode converts both; strict mode would also refuse the dicts a deployment sends.)"""
+        kinds = _kinds(cls.model_fields[info.field_name].annotation)
+        if isinstance(v, bool) and bool not in kinds and kinds & {int, float}:
+            raise ValueError("must be a number, not true/false")
+        if kinds <= {bool, type(None)} and v is not None and not isinstance(v, bool):
+            raise ValueError("must be true or false")
+        return v
+
+
+def _kinds(annotation: Any) -> set:
+    """The alternatives a field's annotation admits, through Optional and unions (a Literal counts as one)."""
+    if get_origin(annotation) is Literal or not get_args(annotation):
+        return {annotation}
+    return set().union(*(_kinds(a) for a in get_args(annotation)))
 
 
 class ModelSpec(_Section):
@@ -526,11 +545,44 @@ def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     if not path.is_file():
         raise SpecError([f"spec file {str(path)!r} not found"])
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as e:
+        raise SpecError(
+            [f"not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r}); save it as UTF-8"], str(path)
+        ) from None
     except yaml.YAMLError as e:
-        raise SpecError([f"not valid YAML: {e}"], str(path)) from None
-    if overrides and isinstance(data or {}, dict):  # a non-mapping is reported by parse_spec
+        where = " ".join(str(e).split()).replace('"<unicode string>"', path.name)
+        raise SpecError([f"not valid YAML: {where}"], str(path)) from None
+    if data is None:
+        # An empty spec is refused rather than run with every default: the defaults name a tiny test model and
+        # data, and a blank file is far more often a mistake (wrong file, unsaved editor) than a request for that.
+        raise SpecError(
+            ["the spec is empty; give at least model.name_or_path and data.path (see deployments/tiny.yaml)"], str(path)
+        )
+    if overrides and isinstance(data, dict):  # a non-mapping is reported by parse_spec
         from slimtune.overrides import apply_overrides
 
-        data = apply_overrides(data or {}, list(overrides))
-    return parse_spec(data or {}, base_dir=path.resolve().parent, source=str(path))
+        data = apply_overrides(data, list(overrides))
+    return parse_spec(data, base_dir=path.resolve().parent, source=str(path))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one silently, so a
+    second `lora:` section replaced the first whole)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges are allowed to repeat keys
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} appears twice (lines {seen[key]} and {line}); keep one",
+                    key_node.start_mark,
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)

@@ -21,6 +21,10 @@ Format = Literal["messages", "prompt_completion", "text"]
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
+# Chat roles the loss masking and the chat templates understand; anything else is a mapping mistake.
+ROLES = ("system", "user", "assistant", "tool")
+
+
 class FieldError(ValueError):
     """A record whose field is missing or of the wrong type; `field` names it for the message."""
 
@@ -110,6 +114,12 @@ def _messages(record: dict, field: str) -> list[dict[str, str]]:
                 raise FieldError(f"{field}[{i}].{key}", "missing; every message needs role and content")
             if not isinstance(message[key], str):
                 raise FieldError(f"{field}[{i}].{key}", f"expected a string, got {type(message[key]).__name__}")
+        if message["role"] not in ROLES:
+            raise FieldError(
+                f"{field}[{i}].role",
+                f"unknown role {message['role']!r}; use one of {', '.join(ROLES)} (ShareGPT's human/gpt are "
+                "user/assistant: map them when writing the file)",
+            )
     return value
 
 

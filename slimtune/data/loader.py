@@ -31,6 +31,7 @@ class DataCounts:
     truncated: int = 0
     dropped_overlong: int = 0
     dropped_no_targets: int = 0
+    longest: int = 0  # tokens of the longest example, before truncation
     train_examples: int = 0
     eval_examples: int = 0
     train_tokens: int = 0
@@ -91,9 +92,14 @@ def load_examples(data: DataSpec, tokenizer) -> Examples:
     if not examples:
         raise DataError(
             f"{data.path}: none of the {counts.records} records gave a usable example "
-            f"({counts.skipped_malformed} malformed, {counts.dropped_overlong} over "
-            f"max_seq_length {data.max_seq_length}, {counts.dropped_no_targets} without target "
-            "tokens); check data.format, the field names and data.max_seq_length"
+            f"({counts.skipped_malformed} malformed, {counts.dropped_overlong} dropped as longer than "
+            f"data.max_seq_length {data.max_seq_length}, {counts.truncated} truncated to it, "
+            f"{counts.dropped_no_targets} without target tokens left; the longest has {counts.longest} tokens); "
+            + (
+                f"raise data.max_seq_length to {counts.longest} or more"
+                if counts.dropped_overlong + counts.truncated
+                else "check data.format and the field names"
+            )
         )
     if counts.skipped_malformed:
         log.warning(
@@ -114,6 +120,7 @@ class _Malformed(ValueError):
 
 
 def _fit(ids: list[int], labels: list[int], data: DataSpec, counts: DataCounts) -> Example | None:
+    counts.longest = max(counts.longest, len(ids))
     if len(ids) > data.max_seq_length:
         if data.overlong == "drop":
             counts.dropped_overlong += 1

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +102,7 @@ def convert_hf_to_gguf(
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.sweep_leftovers(out_path.parent, out_path.stem)  # a conversion killed earlier left these
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_path.stem}.", suffix=".tmp", dir=out_path.parent))
+    tmp_dir = atomic.mkdtemp(prefix=f".{out_path.stem}.", suffix=".tmp", dir=out_path.parent)
     writer = gguf.GGUFWriter(
         tmp_dir / out_path.name, gguf.MODEL_ARCH_NAMES[family.arch], split_max_size=split_max_bytes or 0
     )  # opens nothing until the header

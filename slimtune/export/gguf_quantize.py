@@ -11,9 +11,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import tempfile
 from pathlib import Path
 
+from slimtune import atomic
 from slimtune.gguf_types import GGUF_ALIASES, GGUF_NATIVE, GGUF_TYPES
 
 # Methods our numpy converter writes directly (`convert_hf_to_gguf(out_type=...)`); llama.cpp can write
@@ -83,7 +83,7 @@ def quantize_gguf(src: Path, out: Path, method: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, _LLAMA_FTYPES[canonical])
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    fd, tmp_name = atomic.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:

@@ -22,6 +22,7 @@ from slimtune.memory import gpu_concurrency, gpu_slot, publish_memory_report, re
 from slimtune.model_source import check_model_dir, local_model_dir
 from slimtune.overrides import effective_yaml
 from slimtune.report import write_run_report
+from slimtune.run_lock import run_lock
 from slimtune.spec import MAX_CRASH_RESUBMITS, PipelineSpec, recheck_paths
 from slimtune.tasks.cleanup import MemorySnapshot
 from slimtune.tasks.packed_sft import prepare_data
@@ -58,7 +59,7 @@ def finetune(spec: PipelineSpec) -> dict:
         for t in (load_4bit_task, attach_lora_task, packed_sft_task, cleanup_task, dequant_merge_task, gguf_task)
     )
     try:
-        with gpu_concurrency(gpu_slot()):
+        with run_lock(spec.run_dir()), gpu_concurrency(gpu_slot()):  # one run per run dir, then the GPU
             summary["load_4bit"] = loaded = load(spec)
             summary["attach_lora"] = lora = attach(spec, loaded["handle"])
             summary["packed_sft"] = trained = train(spec, lora["handle"], lora["checkpointing_handle"], examples)
@@ -82,9 +83,7 @@ def finetune(spec: PipelineSpec) -> dict:
 def _card_facts(summary: dict) -> dict:
     """The training facts the model card needs (small, JSON-able)."""
     trained = summary["packed_sft"]
-    return {
-        "spec": summary["spec"],
-        "train": {
-            k: trained.get(k) for k in ("steps", "eval_loss_before", "eval_loss_after", "tokens_seen", "seconds")
-        },
-    }
+    train = {k: trained.get(k) for k in ("steps", "eval_loss_before", "eval_loss_after", "tokens_seen")}
+    # the run's training time, not this call's: a re-run that resumes the finished checkpoint trains 0 s
+    train["seconds"] = trained.get("training_seconds", trained.get("seconds"))
+    return {"spec": summary["spec"], "train": train}

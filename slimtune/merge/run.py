@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -203,7 +202,7 @@ def merge_adapter(
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     atomic.sweep_leftovers(out_dir.parent, out_dir.name)  # a merge killed earlier left its temporaries
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = atomic.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent)
     held = HeldTensors(budgets.host_bytes, temporary_location)
     cuda = budgets.device.startswith("cuda")
     if cuda:

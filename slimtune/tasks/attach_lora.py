@@ -93,6 +93,16 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
     targets = sorted(peft_model.peft_config["default"].target_modules)
+    hidden = getattr(peft_model.config, "hidden_size", None)
+    if hidden is not None and spec.lora.r > hidden:
+        log.warning(
+            "lora.r %d exceeds the model's hidden size %d: the update's rank cannot exceed %d, so the extra rank "
+            "only costs memory and changes the alpha / r scaling; lower lora.r to %d or less",
+            spec.lora.r,
+            hidden,
+            hidden,
+            hidden,
+        )
     log.info(
         "LoRA r=%d on %s: %d trainable of %d parameters, checkpointing=%s",
         spec.lora.r,

@@ -44,6 +44,25 @@ def _attn_implementation(requested: str) -> str:
         return "sdpa"
 
 
+def keep_training_layout(model: torch.nn.Module) -> int:
+    """Keep bitsandbytes from repacking 4-bit weights for CPU inference; returns the number of 4-bit linears.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50.2's `Linear4bit.forward` rewrites the weight in place into
+    its packed inference layout the first time it runs in eval mode without grad (the eval pass before
+    training), and `matmul_4bit` then takes the inference-only kernel for good, in training too: no
+    autograd through the base weight (earlier layers' LoRA gradients come out wrong), and for biased
+    layers (Qwen2's q/k/v) an in-place `result += bias` that autograd refuses. Converting back after eval
+    is lossy (the packing rounds the double-quantized absmax to bf16), so packing is turned off per
+    instance instead; the eval pass then uses the same dequantize kernel as training.
+    """
+    import bitsandbytes as bnb
+
+    linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for m in linears:
+        m.support_avx512bf16_for_cpu = False
+    return len(linears)
+
+
 def load_4bit(spec: PipelineSpec) -> LoadResult:
     """Load the base model quantized to NF4 (double quant) and register it; returns its handle."""
     import bitsandbytes as bnb
@@ -65,7 +84,7 @@ def load_4bit(spec: PipelineSpec) -> LoadResult:
         attn_implementation=_attn_implementation(spec.model.attn_implementation),
     )
     model.config.use_cache = False
-    n4 = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    n4 = keep_training_layout(model)
     if n4 == 0:
         raise RuntimeError(
             f"no layer of {model_dir} was quantized to 4 bits; bitsandbytes "

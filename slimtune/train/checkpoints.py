@@ -103,7 +103,7 @@ def commit(staged: Path, root: Path, state: dict, keep: int) -> Path:
     atomic.write_json(staged / STATE_FILE, state)
     atomic.write_json(staged / COMPLETE, {"step": state.get("step"), "time": time.time()})
     final = root / staged.name
-    atomic.replace_dir(staged, final)
+    atomic.replace_dir(atomic.follow_umask(staged), final)
     for old in complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
 
 from slimtune import atomic
 from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
@@ -68,7 +69,9 @@ class TrainReport:
     batching: str
     batching_fallback: str | None
     resumed_from: str | None
-    seconds: float
+    not_resumed: str | None  # why existing checkpoints were not resumed (they were moved aside)
+    seconds: float  # this call, data preparation and evals included
+    training_seconds: float  # training time of the whole run: a resumed run adds to its checkpoint's
     micro_batch_size: int
     gradient_accumulation_steps: int
     optimizer: str
@@ -108,6 +111,13 @@ class _SlimTrainer(Trainer):
         self.checkpoint_state = checkpoint_state
         self._staging: Path | None = None
         self.meter = _Meter()
+        # Training seconds before this call (from the resumed checkpoint) and when this call's training began,
+        # so each checkpoint records the training time of the whole run, across resumes.
+        self.seconds_before = 0.0
+        self.began = time.perf_counter()
+
+    def training_seconds(self) -> float:
+        return self.seconds_before + time.perf_counter() - self.began
 
     def _get_output_dir(self, trial) -> str:
         # While saving, Trainer writes (and rotates) inside the staging folder instead of the real one.
@@ -131,7 +141,7 @@ class _SlimTrainer(Trainer):
             checkpoints.commit(
                 staged,
                 root,
-                {**self.checkpoint_state, "step": self.state.global_step},
+                {**self.checkpoint_state, "step": self.state.global_step, "train_seconds": self.training_seconds()},
                 keep=self.args.save_total_limit or 1,
             )
         except Exception as e:
@@ -216,11 +226,12 @@ def train_adapter(
         device,
         has_eval=bool(eval_rows),
     )
-    fingerprint = _fingerprint(
-        examples, train, data, micro_batch_size * gradient_accumulation_steps * args.world_size, batching.mode
-    )
+    effective_batch = micro_batch_size * gradient_accumulation_steps * args.world_size
+    settings = _settings(train, data, effective_batch, batching.mode, model)
+    fingerprint = _fingerprint(examples, settings)
     with args.main_process_first(desc="checkpoint discovery"):  # rank 0 alone removes or moves old ones
-        resume_from, eval_before = _find_resume(ckpt_root, fingerprint, train.resume)
+        resume_from, eval_before, not_resumed = _find_resume(ckpt_root, fingerprint, train.resume, settings)
+    seconds_before = checkpoints.read_state(resume_from).get("train_seconds", 0.0) if resume_from else 0.0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     collator = RowCollator(
         batching.mode,
@@ -237,6 +248,7 @@ def train_adapter(
         callbacks=[LogCallback(), PrefectProgressCallback(key=f"{run_dir.name}-training"), *(callbacks or [])],
         checkpoint_state={
             "fingerprint": fingerprint,
+            "settings": settings,
             "eval_loss_before": None,
             "micro_batch_size": micro_batch_size,
             "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -247,10 +259,20 @@ def train_adapter(
     # silently diverge: verified with 2 gloo ranks, transformers 5.23 + accelerate).
     trainer.args.eval_on_start = resume_from is None and bool(eval_rows)
     trainer.add_callback(_EvalBefore(trainer))
-    began = time.perf_counter()
-    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    began = trainer.began = time.perf_counter()
+    trainer.seconds_before = seconds_before
+    if resume_from is not None and _finished(resume_from):
+        _restore_finished(trainer, model, resume_from)
+    else:
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     eval_before = trainer.checkpoint_state["eval_loss_before"] if eval_before is None else eval_before
     train_seconds = time.perf_counter() - began
+    training_seconds = trainer.training_seconds()
+    last = checkpoints.latest_checkpoint(ckpt_root)
+    last_state = checkpoints.read_state(last) if last is not None else {}
+    if last_state.get("step") == trainer.state.global_step and "train_seconds" in last_state:
+        # training ended on a checkpoint: report its time, so a re-run that resumes it reports the same
+        training_seconds = last_state["train_seconds"]
     eval_after = trainer.evaluate()["eval_loss"] if eval_rows else None
 
     adapter_dir = run_dir / "adapter"
@@ -273,7 +295,9 @@ def train_adapter(
         batching=batching.mode + (" (flash varlen)" if batching.flash_varlen else ""),
         batching_fallback=batching.fallback_reason,
         resumed_from=str(resume_from) if resume_from else None,
+        not_resumed=not_resumed,
         seconds=time.perf_counter() - start,
+        training_seconds=training_seconds,
         micro_batch_size=micro_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps,
         optimizer=optim,
@@ -372,44 +396,143 @@ def _arguments(
     )
 
 
-def _fingerprint(examples: Examples, train: TrainSpec, data: DataSpec, effective_batch: int, mode: str) -> str:
+def _canonical(value: object) -> object:
+    """`value` with sets sorted and dicts' keys in order, so equal settings give equal JSON in every process.
+
+    peft keeps `target_modules` as a set, whose iteration order depends on PYTHONHASHSEED.
+    """
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (set, frozenset)):
+        return sorted(_canonical(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return value if value is None or isinstance(value, (bool, int, float)) else str(value)
+
+
+# peft config keys that do not change the trained weights (bookkeeping of the live model).
+_PEFT_BOOKKEEPING = {"inference_mode", "runtime_config", "peft_version"}
+
+
+def model_settings(model: torch.nn.Module) -> dict:
+    """What the trained weights depend on that the model itself knows: its LoRA config and its quantization.
+
+    Read from the live model rather than the spec, so that every adapter option (rank, alpha, dropout,
+    targets, rslora, bias, trainable embeddings) and the base model's folder and 4-bit settings are covered
+    however the model was built.
+    """
+    settings: dict = {}
+    peft_config = getattr(model, "peft_config", {}).get("default")
+    if peft_config is not None:
+        lora = peft_config.to_dict()
+        settings["lora"] = _canonical({k: v for k, v in lora.items() if k not in _PEFT_BOOKKEEPING})
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    if quant is not None:
+        settings["quantization"] = _canonical(quant if isinstance(quant, dict) else quant.to_dict())
+    return settings
+
+
+def _settings(train: TrainSpec, data: DataSpec, effective_batch: int, mode: str, model: torch.nn.Module) -> dict:
+    """Every setting a checkpoint's training depends on (the spec's operational fields left out)."""
+    return _canonical(
+        {
+            "train": train.model_dump(exclude=_OPERATIONAL),
+            "data": data.model_dump(),
+            "effective_batch": effective_batch,
+            "batching": mode,
+            **model_settings(model),
+        }
+    )
+
+
+def _fingerprint(examples: Examples, settings: dict) -> str:
     """Identifies what a checkpoint's training depends on, so a changed spec or data never resumes it."""
     h = hashlib.sha256()
-    settings = {
-        "train": train.model_dump(exclude=_OPERATIONAL),
-        "data": data.model_dump(),
-        "effective_batch": effective_batch,
-        "batching": mode,
-    }
-    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    h.update(json.dumps(settings, sort_keys=True).encode())
     for e in examples.train:
         h.update(array("q", e.input_ids).tobytes())
         h.update(array("q", e.labels).tobytes())
     return h.hexdigest()[:16]
 
 
-def _find_resume(root: Path, fingerprint: str, resume: bool) -> tuple[Path | None, float | None]:
-    """The checkpoint to resume from (and the eval loss measured before its training), or None."""
+def _changed(old: dict | None, new: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the settings that differ between `old` and `new` (empty when `old` is unknown)."""
+    if old is None:
+        return []
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} {a!r} -> {b!r}")
+    return out
+
+
+def _find_resume(
+    root: Path, fingerprint: str, resume: bool, settings: dict
+) -> tuple[Path | None, float | None, str | None]:
+    """The checkpoint to resume from, the eval loss measured before its training, and why not resumed."""
     checkpoints.remove_incomplete(root)
     latest = checkpoints.latest_checkpoint(root)
     if latest is None:
-        return None, None
+        return None, None, None
     state = checkpoints.read_state(latest)
     if resume and state.get("fingerprint") == fingerprint:
         log.info("resuming from %s (step %s)", latest, state.get("step"))
-        return latest, state.get("eval_loss_before")
-    why = "train.resume is false" if not resume else "the data or training settings changed since it was written"
+        return latest, state.get("eval_loss_before"), None
+    if not resume:
+        why = "train.resume is false"
+    else:
+        changed = _changed(state.get("settings"), settings)
+        why = "changed since it was written: " + ("; ".join(changed) if changed else "the training data or settings")
+    # Moved aside rather than refused: changing a setting and re-running under the same name is the
+    # ordinary way to iterate, and the old checkpoints stay recoverable (one generation is kept).
     aside = root.with_name(f"{root.name}.previous")
     shutil.rmtree(aside, ignore_errors=True)
     root.rename(aside)
-    log.warning("not resuming from %s (%s); moved the old checkpoints to %s", latest, why, aside)
-    return None, None
+    message = f"not resuming from {latest} ({why}); training from scratch, old checkpoints moved to {aside}"
+    log.warning(message)
+    return None, None, message
+
+
+def _finished(checkpoint: Path) -> bool:
+    """True when `checkpoint` was written at the last step of its training."""
+    state = json.loads((checkpoint / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
+    return 0 < state.get("max_steps", 0) <= state.get("global_step", 0)
+
+
+def _restore_finished(trainer: Trainer, model, checkpoint: Path) -> None:
+    """Load a finished checkpoint's adapter weights and trainer state instead of training.
+
+    Trainer (transformers 5.23) resumed at the final step still trains one more step before it checks
+    max_steps (measured: a re-run of a 4-step run reported 5 steps and published other weights), so a
+    finished run is restored, not resumed.
+    """
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(model, load_file(checkpoint / "adapter_model.safetensors"))
+    trainer.state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE_NAME))
+    log.info("%s is the finished checkpoint of this run: restored, nothing left to train", checkpoint)
+
+
+def _canonical_adapter_config(path: Path) -> None:
+    """Rewrite peft's adapter_config.json with sorted module lists: peft writes `target_modules` from a set,
+    in an order that changes with PYTHONHASHSEED, so equal adapters gave different bytes and the merge's
+    input hash never matched on a re-run."""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    for key in ("target_modules", "modules_to_save"):
+        if isinstance(config.get(key), list):
+            config[key] = sorted(config[key])
+    atomic.write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _save_adapter(model, tokenizer, final: Path) -> Path:
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    _canonical_adapter_config(tmp / "adapter_config.json")
     tokenizer.save_pretrained(tmp)
-    atomic.replace_dir(tmp, final)
+    atomic.replace_dir(atomic.follow_umask(tmp), final)
     return final

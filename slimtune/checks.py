@@ -1,0 +1,148 @@
+"""Checks of a valid spec against the machine and the files it names, before any model is loaded.
+
+The spec's own validation (`slimtune.spec`) sees one field at a time; these look outside it: can the run
+directory be written, is the GPU there, are the model's files readable, do the LoRA targets exist in the
+model (built on the meta device from config.json: no weights, no memory), is the push repo id one the
+Hub accepts. Each problem is one line naming the field or file and the fix; `slimtune validate` and
+`slimtune run` both print them and stop with exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from slimtune.spec import PipelineSpec
+from slimtune.tiny import is_builtin
+
+
+def spec_problems(spec: PipelineSpec) -> list[str]:
+    """Every problem found, one line each (empty when the run can start)."""
+    problems = _push_problems(spec) + _output_problems(spec) + _device_problems(spec)
+    problems += _data_problems(spec)
+    model_problems = _model_file_problems(spec)
+    if not model_problems:  # the module names come from config.json
+        model_problems = _target_problems(spec)
+    return problems + model_problems
+
+
+def _push_problems(spec: PipelineSpec) -> list[str]:
+    if spec.export.push is None:
+        return []
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(spec.export.push.repo_id)
+    except HFValidationError as e:
+        return [f"export.push.repo_id: got {spec.export.push.repo_id!r}; {' '.join(str(e).split())}"]
+    return []
+
+
+def _output_problems(spec: PipelineSpec) -> list[str]:
+    out = Path(spec.output_dir).expanduser()
+    run_dir = spec.run_dir()
+    for path, field in ((out, "output_dir"), (run_dir, "name")):
+        if path.exists() and not path.is_dir():
+            return [f"{field}: {path} exists and is a file, not a folder; remove it or choose another {field}"]
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"output_dir: {existing} is not writable by this user; choose a folder you can write to"]
+    return []
+
+
+def _device_problems(spec: PipelineSpec) -> list[str]:
+    from slimtune.device import resolve_device
+
+    try:
+        resolve_device(spec.model.device)
+    except RuntimeError as e:
+        return [str(e)]
+    return []
+
+
+def _readable(path: Path, field: str) -> str | None:
+    """A problem line when `path` cannot be read as UTF-8 text."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            while f.read(1 << 20):
+                pass
+    except PermissionError:
+        return f"{field}: {path} is not readable by this user; fix its permissions (chmod o+r) or copy it"
+    except UnicodeDecodeError as e:
+        return f"{field}: {path} is not UTF-8 text (byte {e.start}); save it as UTF-8"
+    except OSError as e:
+        return f"{field}: cannot read {path} ({e.strerror}); check the file"
+    return None
+
+
+def _data_problems(spec: PipelineSpec) -> list[str]:
+    path = Path(spec.data.path)
+    if not path.is_file() or path.suffix.lower() == ".parquet":  # a Hub dataset id, or binary
+        return [] if not path.is_file() or os.access(path, os.R_OK) else [f"data.path: {path} is not readable"]
+    problem = _readable(path, "data.path")
+    return [problem] if problem else []
+
+
+def _local_model_dir(spec: PipelineSpec) -> Path | None:
+    """The model folder when it is already on this machine (no download happens here)."""
+    if is_builtin(spec.model.name_or_path):
+        from slimtune.model_source import local_model_dir
+
+        return local_model_dir(spec.model)
+    path = Path(spec.model.name_or_path).expanduser()
+    return path if path.is_dir() else None
+
+
+def _model_file_problems(spec: PipelineSpec) -> list[str]:
+    model_dir = _local_model_dir(spec)
+    if model_dir is None:
+        return []
+    problems = []
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if not path.exists() and name != "config.json":
+            continue
+        if not path.exists():
+            problems.append(f"model.name_or_path: {path} is missing; point it at a Hugging Face model folder")
+            continue
+        problem = _readable(path, "model.name_or_path")
+        if problem is None:
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except ValueError as e:
+                problem = f"model.name_or_path: {path} is not valid JSON ({e}); download or copy the model again"
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def model_modules(model_dir: Path) -> tuple[list[str], list[str]]:
+    """(every module name, the last name part of every Linear except the output head) of the model in
+    `model_dir`, built on the meta device from config.json: no weights, no memory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    modules = list(model.named_modules())
+    linear = {n.rsplit(".", 1)[-1] for n, m in modules if isinstance(m, torch.nn.Linear)} - {"lm_head"}
+    return [n for n, _ in modules if n], sorted(linear)
+
+
+def _target_problems(spec: PipelineSpec) -> list[str]:
+    targets = spec.lora.target_modules
+    model_dir = _local_model_dir(spec)
+    if targets == "all-linear" or model_dir is None:
+        return []
+    from slimtune.model_source import SUPPORTED_MODEL_TYPES, read_config
+
+    if read_config(model_dir).get("model_type") not in SUPPORTED_MODEL_TYPES:
+        return []  # refused with its own message by check_model_dir; no code from unknown models runs here
+    names, linear = model_modules(model_dir)
+    # peft matches a target against a module name exactly or as its dotted suffix
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing:
+        return []
+    return [f"lora.target_modules: {missing} not in this model; choose from {linear} or use all-linear"]
