@@ -9,6 +9,7 @@ if not torch.cuda.is_available():  # Triton reads this when the kernels are deco
 
 import pytest
 
+from slimtune.families import FAMILIES as TABLE
 from slimtune.kernels import KERNEL_NAMES, apply_kernels, resolve_selection
 from slimtune.tiny import FAMILIES, build_model, save_tiny
 
@@ -67,13 +68,18 @@ def test_apply_matches_eager_and_undo_restores(family):
     batch = _batch(128)
     ref_out, ref_grads = _step(model, batch)
     patch = apply_kernels(model, list(KERNEL_NAMES))
-    gated = "geglu" if family == "gemma" else "swiglu"
-    assert set(patch.applied) == {"rms_norm", "rope", gated, "fused_linear_ce"}
-    assert "lora_nf4" in patch.skipped and ({"swiglu", "geglu"} - {gated}) <= set(patch.skipped)
-    # Qwen3 also normalises q and k per head: two more RMSNorms per layer
-    assert patch.modules["rms_norm"] == (5 if family == "qwen3" else 3)
+    row = TABLE[family]
+    # on a plain (not peft, CPU) model: every kernel of the family's math but lora_nf4 and host_embedding
+    assert set(patch.applied) == set(row.kernels) - {"lora_nf4", "host_embedding"}, patch.skipped
+    assert "lora_nf4" in patch.skipped
+    for name, why in row.eager.items():  # the table's reason is what the run reports
+        assert patch.skipped[name] == f"{family}: {why} (eager)"
+    if "rms_norm" in row.kernels:  # every RMSNorm: the layer's, q/k norms (Qwen3, Gemma 3) and the final one
+        norms = sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
+        assert patch.modules["rms_norm"] == norms == row.layer_norms + (2 if row.qk_norm else 0) + 1
     out, grads = _step(model, batch)
-    assert out.logits is None  # the fused loss never builds logits
+    fused = "fused_linear_ce" in row.kernels
+    assert (out.logits is None) == fused  # the fused loss never builds logits
     # fp32 model: kernels reorder sums only, so 1e-5 relative is ample (measured ~1e-6)
     torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == ref_grads.keys()
