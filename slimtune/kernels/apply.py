@@ -253,9 +253,14 @@ def _patch_rope(base: torch.nn.Module, family: str, patch: KernelPatch) -> int |
     return count or "no attention modules with q/k/v/o projections found"
 
 
+def _hidden_act(mod: torch.nn.Module, base: torch.nn.Module) -> str | None:
+    config = getattr(mod, "config", base.config)
+    # Gemma 2/3 configs name it hidden_activation only
+    return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+
+
 def _mlp_activation(mod: torch.nn.Module, base: torch.nn.Module) -> str | None:
-    act = getattr(getattr(mod, "config", base.config), "hidden_act", None)
-    return _ACTIVATIONS.get(act)
+    return _ACTIVATIONS.get(_hidden_act(mod, base))
 
 
 def _patch_gated(base: torch.nn.Module, family: str, patch: KernelPatch, wanted: tuple[str, ...]) -> int | str:
@@ -268,7 +273,7 @@ def _patch_gated(base: torch.nn.Module, family: str, patch: KernelPatch, wanted:
     count, seen = 0, set()
     for mod in _family_instances(base, family, "MLP"):
         act = _mlp_activation(mod, base)
-        seen.add(getattr(getattr(mod, "config", base.config), "hidden_act", None))
+        seen.add(_hidden_act(mod, base))
         if act in wanted and all(hasattr(mod, a) for a in ("gate_proj", "up_proj", "down_proj")):
             _replace_forward(mod, impl, patch, activation=act)
             count += 1
