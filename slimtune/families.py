@@ -49,6 +49,7 @@ class Family:
     qk_norm: str = ""  # RMSNorm on q and k: "head" (per head: Qwen3, Gemma 3), "full" (whole projection: OLMo 2)
     layer_norms: int = 2  # RMSNorms per decoder layer besides q/k norms (Gemma 2/3 add post-norms: 4)
     sliding_window_kwarg: bool = False  # the attention forward passes `sliding_window` on
+    sdpa: bool = True  # transformers runs it through SDPA (Gemma 2: no, SDPA has no soft-capping)
     gguf_arch: gguf.MODEL_ARCH = gguf.MODEL_ARCH.LLAMA
     permute_qk: bool = False  # llama.cpp's LLAMA-style rope wants q/k rows interleaved, not halves
     gguf_hparams: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # extra GGUF keys ({arch} form)
@@ -242,6 +243,7 @@ _ROWS = (
         tied_default=True,
         layer_norms=4,
         sliding_window_kwarg=True,
+        sdpa=False,
         gguf_arch=gguf.MODEL_ARCH.GEMMA2,
         gguf_hparams=_gemma2_hparams,
         check_config=_gemma_attention_scale,
