@@ -17,10 +17,14 @@ from slimtune.spec import PipelineSpec, load_spec
 from slimtune.train import ddp
 
 # Per-step training loss, 2 ranks x micro-batch 2 vs 1 process x micro-batch 4 (same rows per step, the
-# loss normalised by the target tokens of the whole step in both): the runs differ only in fp32 summation
-# order (the gradient all-reduce), measured at <= 5e-7 over 4 steps; 1e-4 leaves room for other CPUs'
-# reduction orders while a missing all-reduce (each rank training on its own half) moves step 2 by 0.017.
-_LOSS_ATOL = 1e-4
+# loss normalised by the target tokens of the whole step in both). The runs differ only in fp32 summation
+# order (the gradient all-reduce): step 1 sees identical weights (measured diff 0.0), step 2 after one
+# update 7.6e-6. Adam then amplifies the difference (its first updates are ~lr x sign(grad), so a
+# parameter whose gradient is ~0 can move either way): 1.4e-4 at step 3, measured on this project's
+# 2-core machine. A missing all-reduce (each rank training on its own half) moves step 2 by 0.017, so
+# steps 1-2 are held to 1e-4 and later steps to 2e-3.
+_LOSS_ATOL = {1: 1e-4, 2: 1e-4}
+_LOSS_ATOL_LATER = 2e-3
 
 
 def _spec(tmp_path, name: str, num_gpus: int) -> PipelineSpec:
@@ -69,7 +73,8 @@ def test_two_ranks_match_one_process_and_only_rank0_writes(tmp_path):
     assert report["tokens_per_s_all_ranks"] > report["ranks"][0]["tokens_per_s"]
     assert [e["step"] for e in report["losses"]] == [e["step"] for e in single["losses"]] == [1, 2, 3, 4]
     for mine, ref in zip(report["losses"], single["losses"]):
-        assert mine["loss"] == pytest.approx(ref["loss"], abs=_LOSS_ATOL), (report["losses"], single["losses"])
+        atol = _LOSS_ATOL.get(mine["step"], _LOSS_ATOL_LATER)
+        assert mine["loss"] == pytest.approx(ref["loss"], abs=atol), (report["losses"], single["losses"])
     assert report["losses"][-1]["loss"] < report["losses"][0]["loss"] - 0.3  # it trained
 
     run_dir = spec.run_dir()

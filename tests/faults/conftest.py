@@ -3,7 +3,8 @@
 Every test here carries `@pytest.mark.fault(fault, stage=..., expect=...)`; the recorder writes one row per
 test (fault, stage, what is expected, what was observed, the outcome) when the session ends, and
 `render_reliability.py` renders the README "Reliability" table from that file, so the table is never
-written by hand. Set SLIMTUNE_FAULTS_RESULTS to write the file elsewhere (e.g. a partial run).
+written by hand. The file is written only when SLIMTUNE_FAULTS_RESULTS names it: a test run never
+changes the checkout, and refreshing the table is a deliberate command (see render_reliability.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from faultlib import run_finetune, spec_dict
 
-_RESULTS = Path(os.environ.get("SLIMTUNE_FAULTS_RESULTS", Path(__file__).with_name("results.json")))
+_RESULTS = os.environ.get("SLIMTUNE_FAULTS_RESULTS")
 _rows: list[dict] = []
 _started = time.perf_counter()
 
@@ -69,7 +70,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if not _rows:
+    if not _rows or not _RESULTS:
         return
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     import torch
@@ -83,10 +84,11 @@ def pytest_sessionfinish(session, exitstatus):
         "cpu_s": round(sum(u.ru_utime + u.ru_stime for u in usage), 1),
         "tests": sorted(_rows, key=lambda r: r["id"]),
     }
-    _RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _RESULTS.with_name(f".{_RESULTS.name}.tmp")
+    results = Path(_RESULTS)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    tmp = results.with_name(f".{results.name}.tmp")
     tmp.write_text(json.dumps(body, indent=1) + "\n")
-    os.replace(tmp, _RESULTS)
+    os.replace(tmp, results)
 
 
 @pytest.fixture

@@ -3,8 +3,13 @@
     python tests/faults/render_reliability.py                     # print the section
     python tests/faults/render_reliability.py --readme README.md  # replace it between the markers
 
-The table is generated, never edited by hand: re-run the suite (`pytest tests/faults`) to refresh the JSON,
-then this script. Standard library only, so it runs without the package installed.
+The table is generated, never edited by hand. To refresh it, run the whole matrix with the recorder on,
+then this script:
+
+    SLIMTUNE_FAULTS_RESULTS=tests/faults/results.json python -m pytest tests/faults
+    python tests/faults/render_reliability.py --readme README.md
+
+Standard library only, so it runs without the package installed.
 """
 
 from __future__ import annotations
