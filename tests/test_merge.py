@@ -189,12 +189,13 @@ def test_dequantized_logits_match_peft_on_the_nf4_base(models, nf4_models, tmp_p
     assert report.source_used == "dequantized" and report.tensors_merged == _linears(family)
     nf4 = nf4_models(family)
     ids = torch.randint(0, nf4.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    unscale = getattr(nf4.config, "logits_scaling", 1.0)  # Granite divides its logits by 16: undone here
     with torch.no_grad():
-        base_logits = nf4(ids).logits
+        base_logits = nf4(ids).logits * unscale
         peft_model = PeftModel.from_pretrained(nf4, adapter).eval()
-        peft_logits = peft_model(ids).logits
+        peft_logits = peft_model(ids).logits * unscale
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-        merged_logits = merged(ids).logits
+        merged_logits = merged(ids).logits * unscale
     assert (peft_logits - base_logits).abs().max() > 1e-2  # the adapter moves the output
     # The merged fp32 model against peft on the NF4 base that training saw, both on the exact fp32
     # dequantization. 1e-4: fp32 reassociation of x@W^T + s*(x@A^T)@B^T versus x@(W + s*B@A)^T (measured
