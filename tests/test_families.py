@@ -123,3 +123,14 @@ def test_cli_refuses_a_moe_model_before_any_work(tmp_path, capsys, command):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'qwen2_moe'" in err[0] and "slimtune supports llama" in err[0], err
     assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+def test_estimates_count_fused_targets_as_their_parts():
+    from slimtune.memory.estimate import estimate_train
+
+    config = build_model("phi3", 64, num_hidden_layers=2).config.to_dict()
+    fused = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    default = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    args = dict(micro_batch=1, seq_len=128, lora_r=8, checkpointing="unsloth")
+    ours = estimate_train(config, target_modules=fused, **args)
+    assert ours == estimate_train(config, target_modules=default, **args)
