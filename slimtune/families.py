@@ -54,8 +54,10 @@ class Family:
     permute_qk: bool = False  # llama.cpp's LLAMA-style rope wants q/k rows interleaved, not halves
     gguf_hparams: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # extra GGUF keys ({arch} form)
     check_config: Callable[[dict[str, Any]], str | None] | None = None  # what llama.cpp cannot reproduce
-    tokenizer_pre: str = ""  # llama.cpp pre-tokenizer of the released checkpoints' tokenizer (informative)
-    chat_template: str = ""  # chat template family of the released instruct checkpoints (informative)
+    # Informative, read by no code (the converter derives the pre-tokenizer from tokenizer.json and refuses
+    # what it cannot match): what the released checkpoints use, per llama.cpp's convert_hf_to_gguf tables.
+    tokenizer_pre: str = ""  # llama.cpp pre-tokenizer of the released checkpoints' tokenizer
+    chat_template: str = ""  # chat template family of the released instruct checkpoints
 
     @property
     def gguf_name(self) -> str:
@@ -174,7 +176,7 @@ _ROWS = (
         eager={"geglu": _NOT_GELU},
         sliding_window_kwarg=True,
         permute_qk=True,  # llama.cpp runs Mistral as its llama architecture
-        tokenizer_pre="tekken",
+        tokenizer_pre="default (SentencePiece; Mistral-Nemo: tekken)",
         chat_template="mistral",
     ),
     Family(
