@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from slimtune.families import check_architecture
 from slimtune.spec import ModelSpec
 from slimtune.tiny import ensure_builtin, is_builtin
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
@@ -36,6 +36,28 @@ def local_model_dir(model: ModelSpec) -> Path:
     return Path(snapshot_download(model.name_or_path, revision=model.revision, allow_patterns=patterns))
 
 
+def architecture_problem(model: ModelSpec) -> str | None:
+    """Before any work: why the model's architecture cannot run (one line), or None.
+
+    Reads only config.json: from a local folder, or the Hub's config.json alone (a few KB); builtin models
+    are families by construction. When the Hub cannot be reached the check is left to load_4bit.
+    """
+    if is_builtin(model.name_or_path):
+        return None
+    path = Path(model.name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return None  # load_4bit names the missing file
+        return check_architecture(read_config(path))
+    try:
+        from huggingface_hub import hf_hub_download
+
+        config_file = hf_hub_download(model.name_or_path, "config.json", revision=model.revision)
+    except Exception:  # offline, gated or missing: load_4bit reports it with the download's own error
+        return None
+    return check_architecture(json.loads(Path(config_file).read_text(encoding="utf-8")))
+
+
 def read_config(model_dir: Path) -> dict:
     """config.json as a dict, with a clear error when it is missing."""
     cfg = model_dir / "config.json"
@@ -49,13 +71,9 @@ def read_config(model_dir: Path) -> dict:
 def check_model_dir(model: ModelSpec, model_dir: Path) -> dict:
     """Refuse unsupported architectures and pickle weights (unless allowed); returns the config dict."""
     cfg = read_config(model_dir)
-    model_type = cfg.get("model_type", "?")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        archs = ", ".join(cfg.get("architectures") or []) or "unknown"
-        raise ModelSourceError(
-            f"model.name_or_path: architecture {model_type!r} ({archs}) is not supported; slimtune supports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    problem = check_architecture(cfg)
+    if problem:
+        raise ModelSourceError(problem)
     if cfg.get("slimtune_merged"):
         raise ModelSourceError(
             f"model.name_or_path: {model_dir} is a model slimtune already merged an "

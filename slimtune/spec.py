@@ -245,7 +245,7 @@ class TrainSpec(_Section):
     @field_validator("kernels")
     @classmethod
     def _kernels(cls, v: str | list[str]) -> str | list[str]:
-        from slimtune.kernels.apply import KERNEL_NAMES
+        from slimtune.families import KERNEL_NAMES
 
         unknown = [] if isinstance(v, str) else [k for k in v if k not in KERNEL_NAMES]
         if unknown:

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
+from slimtune.families import FAMILIES as _TABLE
+
 BUILTIN_PREFIX = "builtin:tiny-"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+FAMILIES = tuple(_TABLE)  # one tiny model per supported family, named by its model_type
 DATA_FILE = Path(__file__).resolve().parent.parent / "deployments" / "data" / "tiny_chat.jsonl"
 _VERSION = 1  # bump when the recipe changes, so cached builds are not reused
 
@@ -49,17 +51,6 @@ _COMMON = dict(
     tie_word_embeddings=False,
     initializer_range=0.02,
 )
-_FAMILY_CONFIG = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None, "head_dim": 64}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}),
-    "gemma": (
-        "GemmaConfig",
-        "GemmaForCausalLM",
-        {"head_dim": 64, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"},
-    ),
-}
 
 
 def is_builtin(name: str) -> bool:
@@ -111,18 +102,18 @@ def build_model(family: str, vocab_size: int, seed: int = 0, **overrides) -> tor
     """A randomly initialised causal LM of `family` with the tiny dimensions (seeded, float32)."""
     import transformers
 
-    if family not in _FAMILY_CONFIG:
+    if family not in _TABLE:
         raise ValueError(f"unknown tiny family {family!r}; choose one of {', '.join(FAMILIES)}")
-    cfg_name, model_name, extra = _FAMILY_CONFIG[family]
-    cfg = getattr(transformers, cfg_name)(
-        **{**_COMMON, **extra, **overrides},
+    row = _TABLE[family]
+    cfg = getattr(transformers, row.config_class)(
+        **{**_COMMON, **row.tiny, **overrides},
         vocab_size=vocab_size,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
     )
     torch.manual_seed(seed)
-    return getattr(transformers, model_name)(cfg).eval()
+    return getattr(transformers, row.architecture)(cfg).eval()
 
 
 def save_tiny(out_dir: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -145,7 +136,8 @@ def ensure_builtin(name: str) -> Path:
         raise ValueError(
             f"unknown builtin model {name!r}; use one of " + ", ".join(BUILTIN_PREFIX + f for f in FAMILIES)
         )
-    digest = hashlib.sha256(f"{_VERSION}:{family}:{DATA_FILE.read_bytes().hex()}".encode()).hexdigest()[:12]
+    recipe = f"{_VERSION}:{family}:{json.dumps(_TABLE[family].tiny, sort_keys=True)}:{DATA_FILE.read_bytes().hex()}"
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
     final = cache_root() / "tiny" / f"{family}-{digest}"
     if (final / "config.json").exists():
         return final

@@ -10,6 +10,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
+from slimtune.families import FAMILIES as TABLE
+from slimtune.families import lora_target_modules
 from slimtune.memory.checkpointing import _enable, enable_checkpointing
 from slimtune.tiny import FAMILIES, build_model
 
@@ -22,7 +24,8 @@ _REL_TOL = 1e-6
 def _lora_model(family: str, dropout: float = 0.0, device: str = "cpu", **overrides) -> nn.Module:
     base = build_model(family, _VOCAB, **overrides).to(device)
     # init_lora_weights=False makes B random too, so every LoRA gradient (A included) is non-zero.
-    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=_TARGETS, init_lora_weights=False)
+    targets = lora_target_modules(family, _TARGETS)  # Phi-3: qkv_proj, gate_up_proj
+    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=targets, init_lora_weights=False)
     model = get_peft_model(base, cfg)
     model.train()
     return model
@@ -56,7 +59,9 @@ def test_lora_grads_equal_across_modes_with_dropout(family: str) -> None:
     model = _lora_model(family, dropout=0.1)
     ids = _batch()
     ref = _grads_with(model, False, ids)
-    assert len(ref) == 4 * 7 * 2  # 4 layers x 7 projections x (A, B): layer 0 too, with frozen embeddings
+    # layers x projections x (A, B): layer 0 too, with frozen embeddings (Gemma 3: 6 layers; Phi-3: 4 fused)
+    row = TABLE[family]
+    assert len(ref) == row.tiny.get("num_hidden_layers", 4) * len(row.lora_targets) * 2
     assert all(g.abs().sum() > 0 for g in ref.values())
     assert _max_rel_diff(_grads_with(model, True, ids), ref) <= _REL_TOL
     assert _max_rel_diff(_grads_with(model, "unsloth", ids), ref) <= _REL_TOL

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from slimtune.export import GGUF_METHODS, convert_hf_to_gguf, needs_llama_cpp, resolve_method
 from slimtune.export.gguf_convert import _llama3_rope_factors
 from slimtune.export.gguf_tokenizer import _LLAMA3_REGEX, UnsupportedTokenizerError, pre_tokenizer_name
+from slimtune.families import FAMILIES as TABLE
 from slimtune.tiny import BUILTIN_PREFIX, FAMILIES, ensure_builtin
 
 Q = gguf.GGMLQuantizationType
@@ -34,13 +35,13 @@ def _field(reader: gguf.GGUFReader, key: str):
 def _expected_gguf_tensors(model_dir: Path, family: str) -> dict[str, np.ndarray]:
     """HF tensors under their GGUF names, with the layout changes llama.cpp needs applied independently."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    arch = "LLAMA" if family == "mistral" else family.upper()
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], cfg["num_hidden_layers"])
+    row = TABLE[family]
+    name_map = gguf.get_tensor_name_map(row.gguf_arch, cfg["num_hidden_layers"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     out = {}
     for key, t in load_file(model_dir / "model.safetensors").items():
         w = t.float().numpy()
-        if family in ("llama", "mistral") and ("q_proj" in key or "k_proj" in key):
+        if row.permute_qk and ("q_proj" in key or "k_proj" in key):
             # rows of head h: HF [x_0..x_31, y_0..y_31] -> llama.cpp [x_0, y_0, x_1, y_1, ...]
             heads = w.shape[0] // head_dim
             order = [
@@ -50,7 +51,7 @@ def _expected_gguf_tensors(model_dir: Path, family: str) -> dict[str, np.ndarray
                 for half in (0, 1)
             ]
             w = w[order]
-        if family == "gemma" and key.endswith("norm.weight"):
+        if row.norm_offset and key.endswith("norm.weight"):  # Gemma's (1 + w) norms
             w = w + 1.0
         out[name_map.get_name(key, try_suffixes=(".weight", ".bias"))] = w
     return out
@@ -83,11 +84,12 @@ def test_every_tensor_round_trips(tiny_dirs, tmp_path, family):
         np.testing.assert_array_equal(np.asarray(t.data).reshape(want.shape), want, err_msg=name)
 
     arch = _field(reader, "general.architecture")
-    assert arch == {"mistral": "llama"}.get(family, family)
+    assert arch == {"mistral": "llama", "gemma3_text": "gemma3"}.get(family, family)
     assert _field(reader, f"{arch}.attention.head_count") == 4
     assert _field(reader, f"{arch}.attention.head_count_kv") == 2
     assert _field(reader, f"{arch}.attention.key_length") == 64
-    assert _field(reader, f"{arch}.block_count") == 4
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert _field(reader, f"{arch}.block_count") == cfg["num_hidden_layers"]
     assert _field(reader, "general.file_type") == int(gguf.LlamaFileType.ALL_F32)
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     tokens = _field(reader, "tokenizer.ggml.tokens")

@@ -14,6 +14,7 @@ import torch
 from slimtune.export import GGUFVerifyError, convert_hf_to_gguf, gguf_quantize, quantize_gguf, verify_gguf
 from slimtune.export.gguf_tokenizer import _LLAMA3_REGEX, _QWEN2_REGEX
 from slimtune.export.gguf_verify import compare_logits, llama_cpp_logits, llama_cpp_tokenize, load_llama
+from slimtune.families import FAMILIES as TABLE
 from slimtune.tiny import BUILTIN_PREFIX, FAMILIES, build_model, ensure_builtin, save_tiny
 
 Q = gguf.GGMLQuantizationType
@@ -70,19 +71,71 @@ def _tensor_types(path: Path) -> dict[str, Q]:
     return {t.name: Q(t.tensor_type) for t in gguf.GGUFReader(path).tensors}
 
 
+def _f32_tolerance(family: str) -> float:
+    # f32 weights and f32 KV cache: op-order noise only (~1e-6), except where the MLP is GELU: ggml reads
+    # GELU from an fp16 table (gemma2 measured 5.8e-4, gemma3_text 7.2e-4; emulating the table in HF
+    # leaves 2-3e-4, the rest of ggml's fused GeGLU), so those are held to 1e-3
+    return 1e-3 if "gelu" in str(TABLE[family].tiny.get("hidden_activation")) else 1e-4
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_f32_gguf_logits_match_hf(llama_cpp, tiny, ggufs, family):
     report = verify_gguf(ggufs(family, "f32"), tiny[family], PROMPTS)
     assert report["token_ids_equal"], report
-    assert report["max_abs_logit_diff"] < 1e-4, report  # f32 weights and f32 KV cache: op-order noise only
+    assert report["max_abs_logit_diff"] < _f32_tolerance(family), report
     assert report["argmax_agreement"] == 1.0
     assert report["positions"] > 60
     json.dumps(report)  # goes into the run report as is
 
 
-def test_f16_gguf_logits_match_hf(llama_cpp, tiny, ggufs):
-    report = verify_gguf(ggufs("gemma", "f16"), tiny["gemma"], PROMPTS)  # gemma: the +1 norms survive f16
-    assert 1e-6 < report["max_abs_logit_diff"] < 1e-2, report  # f16 weights round at 2^-11 relative
+def _agreement(llm, model_dir: Path, margin: float) -> tuple[float, float, float]:
+    """(all positions, decisive positions, decisive share): argmax agreement of llama.cpp with the fp32 HF
+    model, overall and where HF's best two logits are more than `margin` apart."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    same, clear = [], []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt)["input_ids"]
+            ref = model(torch.tensor([ids])).logits[0].numpy()
+            same.append(llama_cpp_logits(llm, ids).argmax(-1) == ref.argmax(-1))
+            top2 = np.sort(ref, axis=-1)[:, -2:]
+            clear.append(top2[:, 1] - top2[:, 0] > margin)
+    same, clear = np.concatenate(same), np.concatenate(clear)
+    return float(same.mean()), float(same[clear].mean()), float(clear.mean())
+
+
+# Random tiny models have many near-tied logits (median top-2 gap 0.03-0.08). Where HF's best two logits
+# are closer than a file's logit error, the next token is a coin toss for that file, not a conversion
+# error: f16 errors measured up to 2.1e-3 (gemma3_text), q8_0 up to 0.046 (gemma3_text).
+_F16_MARGIN, _Q8_MARGIN = 0.01, 0.05
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f16_gguf_logits_match_hf(llama_cpp, tiny, ggufs, family):
+    """Every family's f16 file: llama.cpp's token ids are HF's, and it picks HF's next token at every
+    position that is not a near tie (gemma's +1 norms, Gemma 2 soft-capping, sliding windows, Phi-3's
+    fused projections, Granite's multipliers and OLMo 2's post-norms all survive f16)."""
+    report = verify_gguf(ggufs(family, "f16"), tiny[family], PROMPTS)
+    assert report["token_ids_equal"], report
+    assert 1e-7 < report["max_abs_logit_diff"] < 1e-2, report  # f16 weights round at 2^-11 relative
+    llm = load_llama(ggufs(family, "f16"))
+    overall, decisive, share = _agreement(llm, tiny[family], _F16_MARGIN)
+    llm.close()
+    assert decisive == 1.0 and share > 0.8, (overall, decisive, share)
+    assert overall >= 0.99, overall  # measured: 1.0 for every family but qwen3 (0.994, one near tie)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_q8_0_gguf_picks_hf_next_token(llama_cpp, tiny, ggufs, family):
+    """q8_0 against the fp32 HF model: at least 98% of the decisive positions agree, at least 93% of all."""
+    llm = load_llama(ggufs(family, "q8_0"))
+    overall, decisive, share = _agreement(llm, tiny[family], _Q8_MARGIN)
+    llm.close()
+    assert decisive >= 0.98 and share > 0.5, (family, overall, decisive, share)
+    assert overall >= 0.93, (family, overall)
 
 
 def _quantized_file(ggufs, tmp_path: Path, family: str, method: str) -> Path:
@@ -151,8 +204,8 @@ def _hf_with_gguf_weights(model_dir: Path, path: Path, family: str):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     cfg = model.config
-    arch = gguf.MODEL_ARCH["LLAMA" if family == "mistral" else family.upper()]
-    name_map = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    row = TABLE[family]
+    name_map = gguf.get_tensor_name_map(row.gguf_arch, cfg.num_hidden_layers)
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     state = {}
     for key, param in model.state_dict().items():
@@ -160,9 +213,9 @@ def _hf_with_gguf_weights(model_dir: Path, path: Path, family: str):
             continue
         t = tensors[name_map.get_name(key, try_suffixes=(".weight", ".bias"))]
         w = gguf.quants.dequantize(np.asarray(t.data), Q(t.tensor_type)).reshape(param.shape)
-        if family == "gemma" and key.endswith("norm.weight"):
-            w = w - 1.0
-        elif family in ("llama", "mistral") and key.endswith(("q_proj.weight", "k_proj.weight")):
+        if row.norm_offset and key.endswith("norm.weight"):
+            w = w - row.norm_offset
+        elif row.permute_qk and key.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in key else cfg.num_key_value_heads
             w = _unpermute_rope_rows(w, heads)
         state[key] = torch.tensor(w)  # a copy: F32 tensors are read-only views of the file

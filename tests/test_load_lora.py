@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from slimtune import registry
+from slimtune.families import FAMILIES as TABLE
 from slimtune.model_source import ModelSourceError, check_model_dir
 from slimtune.spec import ModelSpec, PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
@@ -36,10 +37,12 @@ def test_family_loads_in_nf4_and_trains(family, tmp_path):
     loaded = load_4bit(spec)
     model = registry.get(loaded.handle)
     linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    assert loaded.linear_4bit == len(linears) == 7 * 4  # 7 projections x 4 layers; lm_head stays 16-bit
+    per_layer = len(TABLE[family].lora_targets)  # 7 projections, 4 where q/k/v and gate/up are fused (phi3)
+    assert loaded.linear_4bit == len(linears) == per_layer * model.config.num_hidden_layers  # lm_head stays 16-bit
     assert linears[0].weight.quant_state.nested  # double quantization
     assert linears[0].weight.quant_type == "nf4"
     lora = attach_lora(spec, loaded.handle)
+    assert lora.target_modules == sorted(TABLE[family].lora_targets)  # the spec's default names, in the family's
     peft_model = registry.get(lora.handle)
     assert lora.trainable_parameters == sum(p.numel() for p in peft_model.parameters() if p.requires_grad) > 0
     assert all("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)

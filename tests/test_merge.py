@@ -11,12 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from slimtune.families import FAMILIES as TABLE
 from slimtune.merge import AdapterMismatchError, AlreadyMergedError, DiskSpaceError, merge_adapter, safetensors_io
 from slimtune.merge.nf4 import QuantSpec, quantized_tensor_names, roundtrip
-from slimtune.tiny import build_model, build_tokenizer
+from slimtune.tiny import FAMILIES, build_model, build_tokenizer
 
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-FAMILIES = ["llama", "qwen2"]
 SMALL_SHARDS = 3_000_000  # the tiny fp32 models are ~11 MB: four shards, so shard boundaries are exercised
 
 
@@ -31,13 +30,19 @@ def _nf4_config():
     )
 
 
+def _linears(family: str) -> int:
+    """Linears of the tiny model (7 a layer; 4 in Phi-3, whose q/k/v and gate/up are fused), all adapted."""
+    return len(TABLE[family].lora_targets) * TABLE[family].tiny.get("num_hidden_layers", 4)
+
+
 def _save_adapter(base: Path, out: Path, seed: int, **lora) -> Path:
-    """A LoRA on all 7 projections with random (non-zero) B, so merging really changes the weights."""
+    """A LoRA on every projection with random (non-zero) B, so merging really changes the weights."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=PROJECTIONS, **lora))
+    targets = list(TABLE[model.config.model_type].lora_targets)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, **lora))
     g = torch.Generator().manual_seed(seed)
     for name, p in peft_model.named_parameters():
         if "lora_B" in name:
@@ -48,7 +53,8 @@ def _save_adapter(base: Path, out: Path, seed: int, **lora) -> Path:
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """{family: (base_dir, adapter_dir)} for the tiny llama and qwen2 (qwen2 also has q/k/v biases)."""
+    """{family: (base_dir, adapter_dir)} for every family's tiny model (biases, tied embeddings, fused
+    projections, post-norms: whatever the family has)."""
     root = tmp_path_factory.mktemp("merge_models")
     tok = build_tokenizer()  # trained once (~5 s): save_tiny would retrain it per family
     out = {}
@@ -114,7 +120,7 @@ def test_original_is_exact_w_plus_scaled_ba(models, tmp_path, family):
         base, adapter, tmp_path / "out", source="auto", output_dtype=torch.float32, max_shard_bytes=SMALL_SHARDS
     )
     assert report.source_used == "original" and not report.reused
-    assert report.tensors_merged == 7 * 4 and report.shards > 1
+    assert report.tensors_merged == _linears(family) and report.shards > 1
     before, after = load_file(base / "model.safetensors"), _tensors(tmp_path / "out")
     assert set(before) == set(after)
     ab = load_file(adapter / "adapter_model.safetensors")
@@ -130,7 +136,7 @@ def test_original_is_exact_w_plus_scaled_ba(models, tmp_path, family):
             assert not torch.equal(after[name], w), name  # the adapter is not the identity
         else:
             assert after[name].numpy().tobytes() == w.numpy().tobytes(), name  # unchanged by merging
-    assert targets == 28 and not any(torch.isnan(t).any() for t in after.values())
+    assert targets == _linears(family) and not any(torch.isnan(t).any() for t in after.values())
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -138,8 +144,8 @@ def test_original_is_exact_w_plus_scaled_ba(models, tmp_path, family):
     tok = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok("hello world").input_ids == AutoTokenizer.from_pretrained(base)("hello world").input_ids
     assert (tmp_path / "out" / "generation_config.json").is_file()
-    q = "model.layers.0.self_attn.q_proj.weight"
-    assert torch.equal(merged.model.layers[0].self_attn.q_proj.weight, after[q])
+    o = "model.layers.0.self_attn.o_proj.weight"  # every family has it
+    assert torch.equal(merged.model.layers[0].self_attn.o_proj.weight, after[o])
     assert _leftovers(tmp_path) == []
 
 
@@ -165,7 +171,7 @@ def test_nf4_roundtrip_matches_what_from_pretrained_holds(models, nf4_models, fa
     model = nf4_models(family)
     stored = load_file(base / "model.safetensors")
     linears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
-    assert quantized_tensor_names(base, QuantSpec()) == set(linears) and len(linears) == 28
+    assert quantized_tensor_names(base, QuantSpec()) == set(linears) and len(linears) == _linears(family)
     for name, module in linears.items():
         loaded = bf.dequantize_4bit(module.weight.data, module.weight.quant_state)
         ours = roundtrip(stored[name], QuantSpec())
@@ -180,15 +186,16 @@ def test_dequantized_logits_match_peft_on_the_nf4_base(models, nf4_models, tmp_p
 
     base, adapter = models[family]
     report = merge_adapter(base, adapter, tmp_path / "out", source="dequantized", output_dtype=torch.float32)
-    assert report.source_used == "dequantized" and report.tensors_merged == 28
+    assert report.source_used == "dequantized" and report.tensors_merged == _linears(family)
     nf4 = nf4_models(family)
     ids = torch.randint(0, nf4.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    unscale = getattr(nf4.config, "logits_scaling", 1.0)  # Granite divides its logits by 16: undone here
     with torch.no_grad():
-        base_logits = nf4(ids).logits
+        base_logits = nf4(ids).logits * unscale
         peft_model = PeftModel.from_pretrained(nf4, adapter).eval()
-        peft_logits = peft_model(ids).logits
+        peft_logits = peft_model(ids).logits * unscale
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-        merged_logits = merged(ids).logits
+        merged_logits = merged(ids).logits * unscale
     assert (peft_logits - base_logits).abs().max() > 1e-2  # the adapter moves the output
     # The merged fp32 model against peft on the NF4 base that training saw, both on the exact fp32
     # dequantization. 1e-4: fp32 reassociation of x@W^T + s*(x@A^T)@B^T versus x@(W + s*B@A)^T (measured

@@ -1,15 +1,18 @@
-"""Hugging Face safetensors -> GGUF for Llama, Mistral, Qwen2, Qwen3 and Gemma, on the PyPI `gguf` package.
+"""Hugging Face safetensors -> GGUF for every family of `slimtune.families`, on the PyPI `gguf` package.
 
 Tensors are streamed: every tensor's GGUF name, type and byte size is planned from the safetensors
 headers alone, the header is written, and then each tensor is read, transformed, quantized and written
 before the next is read, so memory is bounded by the largest tensor (about 3x it: the source, its f32
 copy and the quantized bytes), never by the model.
 
+Nothing here is per architecture: tensor names come from `gguf`'s own tables (`TensorNameMap` for the
+HF name, `MODEL_TENSORS[arch]` for what llama.cpp's architecture has), and the family row says the rest.
 Layout differences from HF that llama.cpp expects:
-- Llama/Mistral q_proj/k_proj rows are permuted from HF's "rotate half" order to llama.cpp's
-  interleaved rope pairs (per head, rows [0..d/2) and [d/2..d) are interleaved).
-- Gemma RMSNorm multiplies by (1 + w); llama.cpp multiplies by w, so 1 is added to every norm weight.
+- LLAMA-style rope (Llama, Mistral, Granite): q_proj/k_proj rows are permuted from HF's "rotate half"
+  order to llama.cpp's interleaved rope pairs (per head, rows [0..d/2) and [d/2..d) are interleaved).
+- Gemma RMSNorms multiply by (1 + w); llama.cpp multiplies by w, so 1 is added to every norm weight.
 - Llama-3 rope scaling becomes a `rope_freqs` tensor of per-frequency divisors.
+- Architectures without an output tensor in llama.cpp (the Gemmas) read the embeddings instead.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 from slimtune import atomic
 from slimtune.export.gguf_quantize import CONVERTER_TYPES
 from slimtune.export.gguf_tokenizer import add_tokenizer
+from slimtune.families import BY_ARCHITECTURE, Family
 
 Q = gguf.GGMLQuantizationType
 _FT = gguf.LlamaFileType
@@ -42,22 +46,6 @@ _OUT_TYPES = {
     "q5_0": (Q.Q5_0, _FT.MOSTLY_Q5_0),
 }
 assert set(_OUT_TYPES) == set(CONVERTER_TYPES)
-
-
-@dataclass(frozen=True)
-class _Family:
-    arch: gguf.MODEL_ARCH
-    permute_qk: bool  # HF rotate-half -> llama.cpp interleaved rope rows (llama arch only)
-    norm_plus_one: bool  # Gemma stores w for a (1 + w) RMSNorm
-
-
-_FAMILIES = {
-    "LlamaForCausalLM": _Family(gguf.MODEL_ARCH.LLAMA, True, False),
-    "MistralForCausalLM": _Family(gguf.MODEL_ARCH.LLAMA, True, False),  # llama.cpp runs Mistral as llama
-    "Qwen2ForCausalLM": _Family(gguf.MODEL_ARCH.QWEN2, False, False),
-    "Qwen3ForCausalLM": _Family(gguf.MODEL_ARCH.QWEN3, False, False),
-    "GemmaForCausalLM": _Family(gguf.MODEL_ARCH.GEMMA, False, True),
-}
 
 
 @dataclass
@@ -92,24 +80,27 @@ def convert_hf_to_gguf(
         )
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     arch_name = (config.get("architectures") or ["?"])[0]
-    if arch_name not in _FAMILIES:
+    if arch_name not in BY_ARCHITECTURE:
         raise ValueError(
             f"{model_dir / 'config.json'}: architecture {arch_name!r} is not supported by the "
-            f"GGUF converter; supported: {', '.join(_FAMILIES)}"
+            f"GGUF converter; supported: {', '.join(BY_ARCHITECTURE)}"
         )
-    family = _FAMILIES[arch_name]
+    family = BY_ARCHITECTURE[arch_name]
+    problem = family.check_config(config) if family.check_config else None
+    if problem:
+        raise ValueError(f"{model_dir / 'config.json'}: {problem}")
     default_qtype, file_type = _OUT_TYPES[out_type]
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.sweep_leftovers(out_path.parent, out_path.stem)  # a conversion killed earlier left these
     tmp_dir = atomic.mkdtemp(prefix=f".{out_path.stem}.", suffix=".tmp", dir=out_path.parent)
     writer = gguf.GGUFWriter(
-        tmp_dir / out_path.name, gguf.MODEL_ARCH_NAMES[family.arch], split_max_size=split_max_bytes or 0
+        tmp_dir / out_path.name, family.gguf_name, split_max_size=split_max_bytes or 0
     )  # opens nothing until the header
     try:
         plan = list(_plan_tensors(model_dir, config, family, default_qtype))
         n_vocab = next(p.shape[0] for p in plan if p.name == "token_embd.weight")
-        _add_hparams(writer, config, model_dir.name, file_type, n_vocab)
+        _add_hparams(writer, config, family, _model_name(model_dir), file_type, n_vocab)
         add_tokenizer(writer, model_dir, n_vocab)
         need = 0
         for p in plan:
@@ -157,14 +148,16 @@ def _encode(data: np.ndarray, qtype: Q) -> np.ndarray:
     return gguf.quants.quantize(data, qtype)  # BF16 rounding and Q8_0/Q4_0/Q5_0 match ggml's bytes
 
 
-def _plan_tensors(model_dir: Path, config: dict[str, Any], family: _Family, default_qtype: Q) -> Iterator[_Planned]:
+def _plan_tensors(model_dir: Path, config: dict[str, Any], family: Family, default_qtype: Q) -> Iterator[_Planned]:
     from safetensors import safe_open
 
     n_layers = config["num_hidden_layers"]
     n_head = config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads", n_head)
-    tied = bool(config.get("tie_word_embeddings", False)) or family.arch == gguf.MODEL_ARCH.GEMMA
-    name_map = gguf.get_tensor_name_map(family.arch, n_layers)
+    known = gguf.MODEL_TENSORS[family.gguf_arch]  # the tensors llama.cpp's architecture loads
+    # no output tensor in the architecture (the Gemmas): llama.cpp always reads the embeddings there
+    tied = bool(config.get("tie_word_embeddings", family.tied_default)) or gguf.MODEL_TENSOR.OUTPUT not in known
+    name_map = gguf.get_tensor_name_map(family.gguf_arch, n_layers)
 
     rope_freqs = _llama3_rope_factors(config)
     if rope_freqs is not None:
@@ -175,9 +168,10 @@ def _plan_tensors(model_dir: Path, config: dict[str, Any], family: _Family, defa
         if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
             continue  # recomputed by llama.cpp / shared with token_embd
         name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
-        if name is None:
+        kind = name_map.get_type(key, try_suffixes=(".weight", ".bias"))
+        if name is None or kind not in known:
             raise ValueError(
-                f"{file.name}: tensor {key!r} has no GGUF name for {family.arch.name.lower()}; "
+                f"{file.name}: tensor {key!r} has no GGUF name for {family.gguf_name}; "
                 "the checkpoint has modules the converter does not know"
             )
         with safe_open(file, framework="pt") as f:
@@ -217,13 +211,13 @@ def _loader(file: Path, key: str, transform: Callable[[np.ndarray], np.ndarray])
     return load
 
 
-def _transform_for(key: str, family: _Family, n_head: int, n_kv: int) -> Callable[[np.ndarray], np.ndarray]:
+def _transform_for(key: str, family: Family, n_head: int, n_kv: int) -> Callable[[np.ndarray], np.ndarray]:
     if family.permute_qk and key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
         return lambda w: _permute_rope_rows(w, n_head)
     if family.permute_qk and key.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
         return lambda w: _permute_rope_rows(w, n_kv)
-    if family.norm_plus_one and key.endswith("norm.weight"):
-        return lambda w: w + 1.0
+    if family.norm_offset and key.endswith("norm.weight"):
+        return lambda w: w + family.norm_offset
     return lambda w: w
 
 
@@ -250,6 +244,7 @@ def _tensor_qtype(name: str, shape: tuple[int, ...], default: Q, tied: bool) -> 
 def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from transformers 5 `rope_parameters` or older `rope_scaling`."""
     params = config.get("rope_parameters") or {}
+    params = params.get("full_attention", params)  # Gemma 3: per layer type; global layers carry the scaling
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     scaling = params if params.get("rope_type", "default") != "default" else config.get("rope_scaling")
     if scaling and (scaling.get("rope_type") or scaling.get("type")) == "default":
@@ -275,27 +270,61 @@ def _llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
     return factors.astype(np.float32)
 
 
-def _add_hparams(writer: gguf.GGUFWriter, config: dict[str, Any], name: str, file_type: int, n_vocab: int) -> None:
+def _model_name(model_dir: Path) -> str:
+    """`general.name`: the folder name, except that llama.cpp (0.3.36, llama-vocab.cpp) applies its
+    Phi-3 special-token rules to any model whose name contains "phi3" or "phi-3", and fails to load
+    ("unordered_map::at") when the vocabulary has no "</s>" (Phi-4-mini's has none); such a name is
+    written without the match so the rules stay off where they cannot apply."""
+    name = model_dir.name
+    if "phi3" not in name.lower() and "phi-3" not in name.lower():
+        return name
+    vocab = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8")).get("model", {}).get("vocab", {})
+    return name if "</s>" in vocab else name.lower().replace("phi-3", "phi").replace("phi3", "phi")
+
+
+def _add_hparams(
+    writer: gguf.GGUFWriter, config: dict[str, Any], family: Family, name: str, file_type: int, n_vocab: int
+) -> None:
     n_head = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
     writer.add_name(name)
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_vocab_size(n_vocab)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(config.get("num_key_value_heads", n_head))
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     theta, scaling = _rope(config)
-    writer.add_rope_freq_base(theta)
+    keys = {
+        gguf.Keys.LLM.CONTEXT_LENGTH: config["max_position_embeddings"],
+        gguf.Keys.LLM.EMBEDDING_LENGTH: config["hidden_size"],
+        gguf.Keys.LLM.BLOCK_COUNT: config["num_hidden_layers"],
+        gguf.Keys.LLM.FEED_FORWARD_LENGTH: config["intermediate_size"],
+        gguf.Keys.Attention.HEAD_COUNT: n_head,
+        gguf.Keys.Attention.HEAD_COUNT_KV: config.get("num_key_value_heads", n_head),
+        gguf.Keys.Attention.KEY_LENGTH: head_dim,
+        gguf.Keys.Attention.VALUE_LENGTH: head_dim,
+        gguf.Keys.Rope.DIMENSION_COUNT: head_dim,
+        gguf.Keys.Attention.LAYERNORM_RMS_EPS: float(config["rms_norm_eps"]),
+        gguf.Keys.Rope.FREQ_BASE: theta,
+        **(family.gguf_hparams(config) if family.gguf_hparams else {}),  # the family's own keys win
+    }
+    for key, value in keys.items():
+        if value is not None:
+            _add_value(writer, key.format(arch=family.gguf_name), value)
     if scaling:
         _add_rope_scaling(writer, scaling, config)
+
+
+def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+    """Write one hyper-parameter with the GGUF type llama.cpp reads it as (counts u32, scales f32)."""
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, list):
+        writer.add_array(key, value)
+    else:
+        raise TypeError(f"GGUF key {key}: cannot write {type(value).__name__} {value!r}")
 
 
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}

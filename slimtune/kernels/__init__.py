@@ -5,10 +5,9 @@ that `TRITON_INTERPRET=1` (needed on CPU, read by Triton when a kernel is decora
 after `import slimtune.kernels`.
 """
 
-from .apply import FAMILIES, KERNEL_NAMES, KernelPatch, apply_kernels, resolve_selection
+from .apply import KERNEL_NAMES, KernelPatch, apply_kernels, resolve_selection
 
 __all__ = [
-    "FAMILIES",
     "KERNEL_NAMES",
     "KernelPatch",
     "apply_kernels",

@@ -32,21 +32,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slimtune.families import FAMILIES, KERNEL_NAMES
+
 from ._launch import interpreter_on
 
 log = logging.getLogger("slimtune.kernels")
 
-KERNEL_NAMES: tuple[str, ...] = ("rms_norm", "rope", "swiglu", "geglu", "fused_linear_ce", "lora_nf4", "host_embedding")
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma")
-_COMMON = ("rms_norm", "rope", "fused_linear_ce", "lora_nf4", "host_embedding")
-_FAMILY_KERNELS = {
-    "llama": ("swiglu", *_COMMON),
-    "mistral": ("swiglu", *_COMMON),
-    "qwen2": ("swiglu", *_COMMON),
-    "qwen3": ("swiglu", *_COMMON),
-    "gemma": ("geglu", *_COMMON),
-}
-_SLIDING_WINDOW_FAMILIES = ("mistral", "qwen2", "qwen3")  # their attention passes sliding_window on
+# KERNEL_NAMES, and which kernels match which family's math (and why the others stay eager), are in
+# slimtune.families.
 _ACTIVATIONS = {
     "silu": "silu",
     "swish": "silu",
@@ -92,7 +85,8 @@ def expected_kernels(selection: str | list[str] | tuple[str, ...], device_type: 
     """The kernels `apply_kernels` will apply for `selection` on a model of `family` (before it is loaded):
     what memory estimates and the planner assume."""
     names, _ = _resolve(selection, device_type, family)
-    return [n for n in names if n in _FAMILY_KERNELS.get(family or "", ())]
+    usable = FAMILIES[family].kernels if family in FAMILIES else ()
+    return [n for n in names if n in usable]
 
 
 def _resolve(selection, device_type: str, family: str | None) -> tuple[list[str], str]:
@@ -109,9 +103,9 @@ def _resolve(selection, device_type: str, family: str | None) -> tuple[list[str]
                 )
             if torch.cuda.is_available() and torch.cuda.get_device_capability() < (7, 0):
                 return [], f"GPU compute capability {torch.cuda.get_device_capability()} < 7.0"
-            if family not in _FAMILY_KERNELS:
+            if family not in FAMILIES:
                 return [], f"model family {family!r} has no kernel mapping (supported: {', '.join(FAMILIES)})"
-            return list(_FAMILY_KERNELS[family]), ""
+            return list(FAMILIES[family].kernels), ""
         selection = [s.strip() for s in selection.split(",") if s.strip()]
     unknown = [n for n in selection if n not in KERNEL_NAMES]
     if unknown:
@@ -145,8 +139,11 @@ def apply_kernels(
         if name in (exclude or {}):
             patch.skipped[name] = exclude[name]
             continue
-        if family not in _FAMILY_KERNELS or name not in _FAMILY_KERNELS[family]:
+        if family not in FAMILIES:
             patch.skipped[name] = f"not supported for model family {family!r}"
+            continue
+        if name not in FAMILIES[family].kernels:
+            patch.skipped[name] = f"{family}: {FAMILIES[family].eager[name]} (eager)"
             continue
         result = _PATCHERS[name](base, family, patch)
         if isinstance(result, str):
@@ -190,12 +187,8 @@ def _replace_forward(module: torch.nn.Module, impl: Callable, patch: KernelPatch
     patch._undo.append(undo)
 
 
-def _family_module(family: str) -> str:
-    return f"transformers.models.{family}.modeling_{family}"
-
-
 def _family_instances(base: torch.nn.Module, family: str, suffix: str):
-    prefix = _family_module(family)
+    prefix = type(base).__module__  # transformers.models.<family>.modeling_<family>
     for mod in base.modules():
         cls = type(mod)
         if cls.__module__ == prefix and cls.__name__.endswith(suffix):
@@ -211,7 +204,7 @@ def _patch_rms_norm(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
 
     count = 0
     for mod in _family_instances(base, family, "RMSNorm"):
-        _replace_forward(mod, impl, patch, gemma=family == "gemma")
+        _replace_forward(mod, impl, patch, gemma=FAMILIES[family].norm_offset == 1.0)
         count += 1
     return count or "no RMSNorm modules found"
 
@@ -221,8 +214,8 @@ def _patch_rope(base: torch.nn.Module, family: str, patch: KernelPatch) -> int |
 
     from .rope import rope_
 
-    eager = sys.modules[_family_module(family)].eager_attention_forward
-    sliding = family in _SLIDING_WINDOW_FAMILIES
+    eager = sys.modules[type(base).__module__].eager_attention_forward
+    sliding = FAMILIES[family].sliding_window_kwarg
 
     def impl(
         mod, original, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs
@@ -268,9 +261,14 @@ def _patch_rope(base: torch.nn.Module, family: str, patch: KernelPatch) -> int |
     return count or "no attention modules with q/k/v/o projections found"
 
 
+def _hidden_act(mod: torch.nn.Module, base: torch.nn.Module) -> str | None:
+    config = getattr(mod, "config", base.config)
+    # Gemma 2/3 configs name it hidden_activation only
+    return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+
+
 def _mlp_activation(mod: torch.nn.Module, base: torch.nn.Module) -> str | None:
-    act = getattr(getattr(mod, "config", base.config), "hidden_act", None)
-    return _ACTIVATIONS.get(act)
+    return _ACTIVATIONS.get(_hidden_act(mod, base))
 
 
 def _patch_gated(base: torch.nn.Module, family: str, patch: KernelPatch, wanted: tuple[str, ...]) -> int | str:
@@ -283,7 +281,7 @@ def _patch_gated(base: torch.nn.Module, family: str, patch: KernelPatch, wanted:
     count, seen = 0, set()
     for mod in _family_instances(base, family, "MLP"):
         act = _mlp_activation(mod, base)
-        seen.add(getattr(getattr(mod, "config", base.config), "hidden_act", None))
+        seen.add(_hidden_act(mod, base))
         if act in wanted and all(hasattr(mod, a) for a in ("gate_proj", "up_proj", "down_proj")):
             _replace_forward(mod, impl, patch, activation=act)
             count += 1
@@ -367,11 +365,6 @@ def _patch_fused_ce(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
     return 1
 
 
-# The projection whose output is the last term of a decoder layer (`hidden = residual + mlp(...)` in
-# every family of _FAMILY_KERNELS): in a checkpointing recompute its output is never read.
-_LAYER_OUTPUT_PROJECTION = "mlp.down_proj"
-
-
 def _patch_lora_nf4(base: torch.nn.Module, family: str, patch: KernelPatch) -> int | str:
     try:
         from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
@@ -411,12 +404,16 @@ def _patch_lora_nf4(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
         )
         return y.to(x.dtype)
 
+    # The projection whose output is only added to the residual stream: in a checkpointing recompute
+    # nothing reads it, so it is not computed (None where a post-norm reads it, e.g. Gemma 2).
+    layer_output = FAMILIES[family].layer_output if family in FAMILIES else None
     count = 0
     for path, mod in base.named_modules():
         if isinstance(mod, LoraLinear4bit):
             qs = getattr(mod.base_layer.weight, "quant_state", None)
             if qs is not None and qs.quant_type == "nf4":
-                _replace_forward(mod, impl, patch, layer_output=path.endswith(_LAYER_OUTPUT_PROJECTION))
+                last = layer_output is not None and path.endswith(layer_output)
+                _replace_forward(mod, impl, patch, layer_output=last)
                 count += 1
     return count or "no peft LoRA layers over bitsandbytes NF4 weights"
 

@@ -14,6 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from slimtune.families import canonical_targets, family_of
 from slimtune.gguf_types import GGUF_TYPES
 
 _GIB = 1024**3
@@ -97,7 +98,9 @@ class _Shape:
     vocab: int
     tied: bool
     qkv_bias: bool
-    qk_norm: bool
+    qk_norm: str  # "", "head" or "full" (see slimtune.families)
+    layer_norms: int
+    model_type: str
 
     @property
     def q_dim(self) -> int:
@@ -129,24 +132,13 @@ class _Shape:
 
     def small_weights(self) -> int:
         """Norms and biases: never quantised, negligible for large models but exact for tiny ones."""
-        per_layer = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        qk = {"head": 2 * self.head_dim, "full": self.q_dim + self.kv_dim}.get(self.qk_norm, 0)
+        per_layer = self.layer_norms * self.hidden + qk
         per_layer += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
         return self.layers * per_layer + self.hidden
 
     def total_weights(self) -> int:
         return self.layers * self.linear_weights_per_layer() + self.embedding_weights() + self.small_weights()
-
-
-# model_type -> (ties embeddings by default, bias on q/k/v, RMSNorm on q and k)
-_FAMILY_DEFAULTS = {
-    "llama": (False, False, False),
-    "mistral": (False, False, False),
-    "qwen2": (False, True, False),
-    "qwen3": (False, False, True),
-    "gemma": (True, False, False),
-    "gemma2": (True, False, False),
-    "gemma3_text": (True, False, True),
-}
 
 
 def _shape(cfg: dict[str, Any]) -> _Shape:
@@ -165,11 +157,11 @@ def _shape(cfg: dict[str, Any]) -> _Shape:
     ]
     if missing:
         raise ValueError(
-            f"config.json lacks {', '.join(missing)}; memory estimates support Llama, Mistral, Qwen2, "
-            "Qwen3 and Gemma configs"
+            f"config.json lacks {', '.join(missing)}; memory estimates support dense decoder configs "
+            "(slimtune.families)"
         )
     model_type = str(text.get("model_type", "llama"))
-    tied_default, qkv_bias, qk_norm = _FAMILY_DEFAULTS.get(model_type, (False, False, False))
+    family = family_of(text)  # shape quirks of the family; plain Llama arithmetic for anything else
     heads = int(text["num_attention_heads"])
     hidden = int(text["hidden_size"])
     return _Shape(
@@ -180,9 +172,11 @@ def _shape(cfg: dict[str, Any]) -> _Shape:
         kv_heads=int(text.get("num_key_value_heads") or heads),
         head_dim=int(text.get("head_dim") or hidden // heads),
         vocab=int(text["vocab_size"]),
-        tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", tied_default))),
-        qkv_bias=bool(text.get("attention_bias", qkv_bias)),
-        qk_norm=qk_norm,
+        tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", family and family.tied_default))),
+        qkv_bias=bool(text.get("attention_bias", family and family.qkv_bias)),
+        qk_norm=family.qk_norm if family else "",
+        layer_norms=family.layer_norms if family else 2,
+        model_type=model_type,
     )
 
 
@@ -254,6 +248,8 @@ def _targets(shape: _Shape, target_modules: list[str] | tuple[str, ...] | str) -
     projections = shape.projections()
     if target_modules == "all-linear":
         return list(projections)
+    if not isinstance(target_modules, str):  # fused names (Phi-3 qkv_proj) count as their parts
+        target_modules = canonical_targets(shape.model_type, list(target_modules))
     unknown = [t for t in target_modules if t not in projections]
     if unknown or isinstance(target_modules, str):
         raise ValueError(

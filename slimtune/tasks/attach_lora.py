@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from slimtune import registry
+from slimtune.families import lora_target_modules
 from slimtune.kernels import apply_kernels
 from slimtune.memory.checkpointing import enable_checkpointing
 from slimtune.spec import PipelineSpec
@@ -66,7 +67,8 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
         r=spec.lora.r,
         lora_alpha=spec.lora.alpha,
         lora_dropout=spec.lora.dropout,
-        target_modules=spec.lora.target_modules,
+        # the spec's q/k/v/gate/up names become a fused family's own (Phi-3: qkv_proj, gate_up_proj)
+        target_modules=lora_target_modules(model.config.model_type, spec.lora.target_modules),
         use_rslora=spec.lora.use_rslora,
         bias=spec.lora.bias,
         task_type="CAUSAL_LM",

@@ -9,6 +9,7 @@ import torch
 
 from slimtune import registry
 from slimtune.device import resolve_compute_dtype, resolve_device
+from slimtune.families import FAMILIES
 from slimtune.memory import max_memory_with_headroom
 from slimtune.merge.nf4 import TRAINING_NF4
 from slimtune.model_source import check_model_dir, local_model_dir
@@ -33,15 +34,17 @@ class LoadResult:
         return asdict(self)
 
 
-def _attn_implementation(requested: str) -> str:
+def _attn_implementation(requested: str, model_type: str) -> str:
     if requested != "auto":
         return requested
+    # transformers refuses SDPA for some families (Gemma 2: SDPA has no soft-capping): eager there
+    fallback = "sdpa" if FAMILIES[model_type].sdpa else "eager"
     try:
         import flash_attn  # noqa: F401
 
-        return "flash_attention_2" if torch.cuda.is_available() else "sdpa"
+        return "flash_attention_2" if torch.cuda.is_available() else fallback
     except ImportError:
-        return "sdpa"
+        return fallback
 
 
 def keep_training_layout(model: torch.nn.Module) -> int:
@@ -81,7 +84,7 @@ def load_4bit(spec: PipelineSpec) -> LoadResult:
         max_memory=max_memory_with_headroom(str(device)),
         trust_remote_code=spec.model.trust_remote_code,
         use_safetensors=not spec.model.allow_pickle or None,
-        attn_implementation=_attn_implementation(spec.model.attn_implementation),
+        attn_implementation=_attn_implementation(spec.model.attn_implementation, cfg["model_type"]),
     )
     model.config.use_cache = False
     n4 = keep_training_layout(model)

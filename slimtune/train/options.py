@@ -8,13 +8,15 @@ from dataclasses import dataclass
 import torch
 
 from slimtune.data import BatchMode
+from slimtune.families import SUPPORTED_MODEL_TYPES
 
 log = logging.getLogger(__name__)
 
 # Model types whose attention keeps packed examples apart given restarting position ids and no mask:
 # each is checked by tests/test_packing.py (packed loss == token-weighted mean of the examples' own
-# losses to 1e-5). Others fall back to padded batches rather than silently attend across examples.
-ISOLATING_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
+# losses to 1e-5) for every family of slimtune.families. Others fall back to padded batches rather
+# than silently attend across examples.
+ISOLATING_MODEL_TYPES = frozenset(SUPPORTED_MODEL_TYPES)
 # Attention implementations that build the block-diagonal mask from position ids (transformers >= 5).
 _POSITION_MASKED = ("sdpa", "eager", "flex_attention")
 _SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
