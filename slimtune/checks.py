@@ -22,8 +22,11 @@ def spec_problems(spec: PipelineSpec) -> list[str]:
     problems = _push_problems(spec) + _output_problems(spec) + _device_problems(spec)
     problems += _data_problems(spec)
     model_problems = _model_file_problems(spec)
-    if not model_problems:  # the module names come from config.json
-        model_problems = _target_problems(spec)
+    if not model_problems:  # a readable config.json: is the architecture supported, then its module names
+        from slimtune.model_source import architecture_problem
+
+        arch = architecture_problem(spec.model)
+        model_problems = [arch] if arch else _target_problems(spec)
     return problems + model_problems
 
 
@@ -136,10 +139,6 @@ def _target_problems(spec: PipelineSpec) -> list[str]:
     model_dir = _local_model_dir(spec)
     if targets == "all-linear" or model_dir is None:
         return []
-    from slimtune.model_source import SUPPORTED_MODEL_TYPES, read_config
-
-    if read_config(model_dir).get("model_type") not in SUPPORTED_MODEL_TYPES:
-        return []  # refused with its own message by check_model_dir; no code from unknown models runs here
     names, linear = model_modules(model_dir)
     # peft matches a target against a module name exactly or as its dotted suffix
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]

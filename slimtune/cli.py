@@ -125,12 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         print(f"slimtune: error: {len(e.problems)} problem(s) in {args.spec}", file=sys.stderr)
         return EXIT_INVALID_SPEC
-    from slimtune.model_source import architecture_problem
+    if args.command == "plan":
+        from slimtune.model_source import architecture_problem
 
-    problem = architecture_problem(spec.model)  # before any model is loaded, for validate and run alike
-    if problem:
-        print(f"slimtune: error: {problem}", file=sys.stderr)
-        return EXIT_INVALID_SPEC
+        if problem := architecture_problem(spec.model):
+            print(f"slimtune: error: {problem}", file=sys.stderr)
+            return EXIT_INVALID_SPEC
     if args.command == "validate":
         return _print_validated(args, spec)
     if args.command == "plan":

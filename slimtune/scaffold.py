@@ -17,8 +17,9 @@ from typing import Any
 import yaml
 
 from slimtune.data import DataError, FieldError, detect_format, iter_records, render
+from slimtune.families import check_architecture
 from slimtune.memory.estimate import estimate_train
-from slimtune.model_source import SUPPORTED_MODEL_TYPES, read_config
+from slimtune.model_source import read_config
 from slimtune.spec import DEFAULT_TARGETS, DataSpec, ModelSpec, SpecError, parse_spec
 from slimtune.tiny import ensure_builtin, is_builtin
 
@@ -140,11 +141,8 @@ def scaffold_spec(model: str, data: str, *, gpu_memory: str | None = None, name:
     except ValueError as e:
         raise ScaffoldError(f"--model {model}: {e}") from None
     family = cfg.get("model_type", "?")
-    if family not in SUPPORTED_MODEL_TYPES:
-        raise ScaffoldError(
-            f"--model {model}: architecture {family!r} is not supported; slimtune supports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    if problem := check_architecture(cfg):
+        raise ScaffoldError(f"--model {model}: {problem}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     has_template = bool(tokenizer.chat_template)
     try:

@@ -85,7 +85,12 @@ def test_trained_embeddings_are_refused_with_the_field_to_change(tmp_path, token
         },
         tmp_path / "adapter_model.safetensors",
     )
-    config = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_hidden_layers": 4}
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "num_attention_heads": 4,
+        "num_hidden_layers": 4,
+    }
     with pytest.raises(ValueError, match="lora.train_embeddings: false"):
         convert_adapter_to_gguf(tmp_path, config, tmp_path / "x-lora.gguf")
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*"))

@@ -21,7 +21,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from slimtune.export.gguf_convert import _FAMILIES, _transform_for
+from slimtune.export.gguf_convert import _transform_for
+from slimtune.families import SUPPORTED_MODEL_TYPES, family_of
 
 ADAPTER_GGUF_SUFFIX = "-lora.gguf"  # <run name>-lora.gguf beside the model GGUFs; not a model itself
 _A, _B = ".lora_A.weight", ".lora_B.weight"
@@ -46,15 +47,17 @@ def convert_adapter_to_gguf(adapter_dir: Path, base_config: dict, out_path: Path
 
     adapter_dir, out_path = Path(adapter_dir), Path(out_path)
     config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
-    arch_name = (base_config.get("architectures") or ["?"])[0]
-    if arch_name not in _FAMILIES:
-        raise ValueError(f"export.adapter_gguf: architecture {arch_name!r} is not supported; use {list(_FAMILIES)}")
+    family = family_of(base_config)
+    if family is None:
+        raise ValueError(
+            f"export.adapter_gguf: model_type {base_config.get('model_type')!r} is not supported; use one of "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError("export.adapter_gguf: per-module ranks or alphas cannot be expressed; set it to false")
-    family = _FAMILIES[arch_name]
     n_head = base_config["num_attention_heads"]
     n_kv = base_config.get("num_key_value_heads", n_head)
-    name_map = gguf.get_tensor_name_map(family.arch, base_config["num_hidden_layers"])
+    name_map = gguf.get_tensor_name_map(family.gguf_arch, base_config["num_hidden_layers"])
     weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
     other = sorted(k for k in weights if not k.endswith((_A, _B)))
     if other:
@@ -69,7 +72,7 @@ def convert_adapter_to_gguf(adapter_dir: Path, base_config: dict, out_path: Path
     os.close(fd)  # the writer opens the file itself
     writer_tmp = Path(tmp_name)
     try:
-        writer = gguf.GGUFWriter(writer_tmp, gguf.MODEL_ARCH_NAMES[family.arch])
+        writer = gguf.GGUFWriter(writer_tmp, family.gguf_name)
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, adapter_alpha(config))
