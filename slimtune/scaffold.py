@@ -2,10 +2,10 @@
 
 What it reads: the model's config.json (family, context length, shape for the memory estimate) and
 tokenizer (chat template, token lengths of the data); the data's first records (format). What it
-proposes: max_seq_length from the data's token lengths, and the micro-batch that `slimtune plan` reports
-as the largest that fits and `micro_batch_size: auto` would choose (slimtune.plan: same estimate, same
-budget accounting, so the three never disagree). Every field it sets carries a comment saying where the
-value came from, so the user can judge it.
+proposes: max_seq_length from the data's token lengths, and the largest divisor of effective_batch_size
+whose estimate fits the GPU memory: what `micro_batch_size: auto` would choose and `slimtune plan` reports
+for the proposal as auto (slimtune.plan.plan itself, so init and plan cannot disagree). Every field it sets
+carries a comment saying where the value came from, so the user can judge it.
 """
 
 from __future__ import annotations
@@ -89,7 +89,9 @@ def _propose_seq_len(lengths: list[int], context: int) -> int:
 def _propose_micro_batch(spec: PipelineSpec, cfg: dict, gpu_total: int | None) -> tuple[int, str]:
     """`slimtune plan`'s largest micro-batch for `spec` (micro_batch_size auto), and the comment saying so."""
     if gpu_total is None:
-        return _CPU_MICRO_BATCH, "no --gpu-memory given and no GPU found: a default; re-run init with --gpu-memory"
+        return _CPU_MICRO_BATCH, (
+            "no --gpu-memory given and no GPU found: the default; re-run init with --gpu-memory to size it"
+        )
     budget = Budget(gpu_total, spec.guard.gpu_memory_fraction, None)
     rows, limits = plan(spec, cfg, budget)
     est = next(r.estimate for r in rows if r.stage == "packed_sft")
