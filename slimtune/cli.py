@@ -13,6 +13,7 @@ import signal
 import sys
 
 from slimtune import __version__
+from slimtune.sizes import parse_size
 
 # Prefect reads its settings at import; telemetry calls fail without internet and only add noise, and
 # the embedded server's 20 s start-up limit is too short on a busy 2-core machine (seen: >20 s).
@@ -38,8 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_workflow_commands(sub)
     plan = sub.add_parser("plan", help="estimate each stage's memory for SPEC and say whether it fits")
     plan.add_argument("spec", help="path to a YAML spec")
-    plan.add_argument("--gpu-memory", type=_size, help="the card's memory, e.g. 16GiB (default: this GPU's)")
-    plan.add_argument("--host-memory", type=_size, help="host memory, e.g. 16GiB (default: available now)")
+    plan.add_argument(
+        "--gpu-memory", type=_size, help="the card's memory, e.g. 16GiB (bare number: GiB; default: this GPU's)"
+    )
+    plan.add_argument(
+        "--host-memory", type=_size, help="host memory, e.g. 16GiB (bare number: GiB; default: available now)"
+    )
     add_set_argument(plan)
     return p
 
@@ -61,7 +66,9 @@ def _add_workflow_commands(sub) -> None:
     init = sub.add_parser("init", help="write a commented starting spec for a model and a data file to stdout")
     init.add_argument("--model", required=True, help="Hub id, local model directory or builtin:tiny-<family>")
     init.add_argument("--data", required=True, help="a local .jsonl/.json/.parquet training file")
-    init.add_argument("--gpu-memory", default=None, help="GPU memory to plan for, e.g. 16GiB or 24GB")
+    init.add_argument(
+        "--gpu-memory", type=_size, default=None, help="GPU memory to plan for, e.g. 16GiB or 24GB (bare number: GiB)"
+    )
     init.add_argument("--name", default=None, help="run name (default: from the model and data names)")
     init.set_defaults(func=_cmd_init)
     for name, helptext in (
@@ -92,14 +99,11 @@ def _add_workflow_commands(sub) -> None:
 
 
 def _size(text: str) -> int:
-    """'16GiB', '16GB', '12.5GiB' or bytes -> bytes."""
-    units = {"gib": 1024**3, "gb": 10**9, "mib": 1024**2, "mb": 10**6, "": 1}
-    t = text.strip().lower()
-    unit = next(u for u in units if t.endswith(u))
+    """argparse type for memory sizes; the rule (a bare number is GiB) is `slimtune.sizes.parse_size`."""
     try:
-        return int(float(t[: len(t) - len(unit)] if unit else t) * units[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 16GiB or 24GB") from None
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _one_line(exc: BaseException) -> str:

@@ -71,18 +71,23 @@ def model_config(spec: PipelineSpec) -> dict:
     )
 
 
-def detected_budget(spec: PipelineSpec, gpu_total: int | None, host: int | None) -> Budget:
-    """The given budgets, else this machine's GPU (device 0) and available host memory."""
+def detected_gpu_total(gpu_total: int | None) -> int | None:
+    """The given card memory, else this machine's GPU (device 0), else None (no GPU: no GPU budget)."""
     if gpu_total is None:
         import torch
 
         if torch.cuda.is_available():
             gpu_total = torch.cuda.mem_get_info()[1]
+    return gpu_total
+
+
+def detected_budget(spec: PipelineSpec, gpu_total: int | None, host: int | None) -> Budget:
+    """The given budgets, else this machine's GPU (device 0) and available host memory."""
     if host is None:
         import psutil
 
         host = psutil.virtual_memory().available
-    return Budget(gpu_total, spec.guard.gpu_memory_fraction, host)
+    return Budget(detected_gpu_total(gpu_total), spec.guard.gpu_memory_fraction, host)
 
 
 def micro_batch_candidates(train) -> list[int]:
@@ -111,6 +116,24 @@ def largest_micro_batch(fits, candidates: list[int]) -> int | None:
     return next((mb for mb in sorted(candidates, reverse=True) if fits(mb)), None)
 
 
+def _device_type(spec: PipelineSpec, budget: Budget) -> str:
+    """With a GPU budget the plan is for a GPU, whether or not this machine has one."""
+    return "cuda" if budget.gpu_total is not None and spec.model.device != "cpu" else "cpu"
+
+
+def largest_fitting_micro_batch(spec: PipelineSpec, cfg: dict, budget: Budget) -> int | None:
+    """The largest of `micro_batch_candidates(spec.train)` whose packed_sft estimate fits the GPU budget;
+    None without a GPU budget or when none fits. `slimtune plan` reports it and `slimtune init` proposes it."""
+    if budget.gpu_total is None:
+        return None
+    from slimtune.flows.stages import train_estimate
+
+    device_type, ckpt = _device_type(spec, budget), spec.lora.gradient_checkpointing
+    return largest_micro_batch(
+        lambda mb: budget.gpu_fits(train_estimate(spec, cfg, mb, ckpt, device_type)), micro_batch_candidates(spec.train)
+    )
+
+
 def _largest_seq(spec: PipelineSpec, cfg: dict, budget: Budget, micro_batch: int, device_type: str) -> int | None:
     from slimtune.flows.stages import train_estimate
 
@@ -130,16 +153,12 @@ def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan]
     """Per-stage estimates with verdicts, and the largest micro-batch and sequence length that fit."""
     from slimtune.flows.stages import train_estimate
 
-    # With a GPU budget the plan is for a GPU, whether or not this machine has one.
-    device_type = "cuda" if budget.gpu_total is not None and spec.model.device != "cpu" else "cpu"
+    device_type = _device_type(spec, budget)
     dtype_bytes = _DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
     micro_batch = spec.train.micro_batch_size
-    candidates = micro_batch_candidates(spec.train)
     fits = budget.gpu_fits
     ckpt = spec.lora.gradient_checkpointing
-    best_mb = None
-    if budget.gpu_total is not None:
-        best_mb = largest_micro_batch(lambda mb: fits(train_estimate(spec, cfg, mb, ckpt, device_type)), candidates)
+    best_mb = largest_fitting_micro_batch(spec, cfg, budget)
     if micro_batch == "auto":
         micro_batch = best_mb or 1
     stages = {

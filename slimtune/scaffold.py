@@ -2,9 +2,10 @@
 
 What it reads: the model's config.json (family, context length, shape for the memory estimate) and
 tokenizer (chat template, token lengths of the data); the data's first records (format). What it
-proposes: max_seq_length from the data's token lengths, and the largest micro-batch whose training
-estimate (slimtune.memory.estimate_train) fits the GPU memory given. Every field it sets carries a
-comment saying where the value came from, so the user can judge it.
+proposes: max_seq_length from the data's token lengths, and the largest divisor of effective_batch_size
+whose estimate fits the GPU memory: what `micro_batch_size: auto` would choose and `slimtune plan` reports
+for the proposal as auto (slimtune.plan.plan itself, so init and plan cannot disagree). Every field it sets
+carries a comment saying where the value came from, so the user can judge it.
 """
 
 from __future__ import annotations
@@ -18,36 +19,27 @@ import yaml
 
 from slimtune.data import DataError, FieldError, detect_format, iter_records, render
 from slimtune.families import check_architecture
-from slimtune.memory.estimate import estimate_train
 from slimtune.model_source import read_config
-from slimtune.spec import DEFAULT_TARGETS, DataSpec, ModelSpec, SpecError, parse_spec
+from slimtune.plan import Budget, detected_gpu_total, plan
+from slimtune.spec import DEFAULT_TARGETS, DataSpec, ModelSpec, PipelineSpec, SpecError, TrainSpec, parse_spec
 from slimtune.tiny import ensure_builtin, is_builtin
 
 _GIB = 1024**3
-_UNITS = {"": _GIB, "gib": _GIB, "gb": 10**9, "mib": 1024**2, "mb": 10**6}
 # Records tokenized to measure lengths: enough for a stable 99th percentile, bounded for big files.
 _SAMPLE_RECORDS = 2000
 # max_seq_length covers this share of examples; the longest 1% are truncated rather than making
 # every packed row (and the activation memory) longer for a handful of outliers.
 _LENGTH_QUANTILE = 0.99
 _LENGTH_STEP = 64  # rows in multiples of 64 tokens: tensor-core friendly, and readable
-# Sequences per optimizer step that the proposal aims for (micro-batch x accumulation), a common
-# QLoRA default (the QLoRA paper used 16 for most runs).
-_TARGET_BATCH = 16
-_MICRO_BATCHES = (64, 32, 16, 8, 4, 2, 1)
+# Rows per optimizer step (micro-batch x accumulation): the spec's effective_batch_size default, 16, what
+# the QLoRA paper used for most runs; the micro-batch is a divisor of it, as with `micro_batch_size: auto`.
+_TARGET_BATCH = TrainSpec.model_fields["effective_batch_size"].default
+_LORA_R = 16  # rank 16 on all projections: the QLoRA paper's setting
+_CPU_MICRO_BATCH = 4  # without a GPU budget there is nothing to size against
 
 
 class ScaffoldError(ValueError):
     """`init` cannot propose a spec; the message names the option and what to give instead."""
-
-
-def parse_memory(text: str) -> int:
-    """'16GiB', '24GB', '80' (GiB) -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match and match[2].lower()
-    if not match or unit not in _UNITS or float(match[1]) <= 0:
-        raise ScaffoldError(f"--gpu-memory: got {text!r}; give a size such as 16GiB, 24GB or 80")
-    return int(float(match[1]) * _UNITS[unit])
 
 
 def _model_dir(name: str) -> Path:
@@ -95,46 +87,40 @@ def _propose_seq_len(lengths: list[int], context: int) -> int:
     return max(_LENGTH_STEP, min(context, math.ceil(at_quantile / _LENGTH_STEP) * _LENGTH_STEP))
 
 
-def _propose_micro_batch(cfg: dict, seq_len: int, budget: int | None, checkpointing: Any) -> tuple[int, str]:
-    """The largest micro-batch whose estimate fits `budget`, and the comment that explains it."""
-    if budget is None:
-        return 4, "no --gpu-memory given and no GPU found: the default; re-run init with --gpu-memory to size it"
-    for mb in _MICRO_BATCHES:
-        est = estimate_train(
-            cfg,
-            micro_batch=mb,
-            seq_len=seq_len,
-            lora_r=16,
-            target_modules=DEFAULT_TARGETS,
-            checkpointing=checkpointing,
+def _propose_micro_batch(spec: PipelineSpec, cfg: dict, gpu_total: int | None) -> tuple[int, str]:
+    """`slimtune plan`'s largest micro-batch for `spec` (micro_batch_size auto), and the comment saying so."""
+    if gpu_total is None:
+        return _CPU_MICRO_BATCH, (
+            "no --gpu-memory given and no GPU found: the default; re-run init with --gpu-memory to size it"
         )
-        if est.gpu_bytes <= budget:
-            return mb, f"largest that fits {budget / _GIB:.1f} GiB: estimated {est.gpu_bytes / _GIB:.2f} GiB"
-    return 1, f"even 1 x {seq_len} is estimated at {est.gpu_bytes / _GIB:.2f} GiB, over {budget / _GIB:.1f} GiB"
+    budget = Budget(gpu_total, spec.guard.gpu_memory_fraction, None)
+    rows, limits = plan(spec, cfg, budget)
+    est = next(r.estimate for r in rows if r.stage == "packed_sft")
+    mb, seq, card = limits["micro_batch"], spec.data.max_seq_length, f"{gpu_total / _GIB:.1f} GiB"
+    if limits["largest_micro_batch"] is None:
+        return mb, f"even {mb} x {seq} is estimated at {est.gpu_bytes / _GIB:.2f} GiB, over {card}"
+    return mb, (
+        f"largest divisor of {_TARGET_BATCH} whose estimate fits {card}, as in `slimtune plan`: "
+        f"{est.gpu_bytes / _GIB:.2f} GiB"
+    )
 
 
-def _gpu_budget(gpu_memory: str | None) -> tuple[int | None, str]:
-    if gpu_memory is not None:
-        return parse_memory(gpu_memory), "auto"
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory, "auto"
-    return None, "cpu"
-
-
-def scaffold_spec(model: str, data: str, *, gpu_memory: str | None = None, name: str | None = None) -> str:
+def scaffold_spec(model: str, data: str, *, gpu_memory: int | None = None, name: str | None = None) -> str:
     """A commented YAML spec for `model` on `data` (validated before it is returned).
 
+    Args:
+        gpu_memory: the card's memory in bytes (`slimtune.sizes.parse_size`); default: this GPU's, if any.
+
     Raises:
-        ScaffoldError: the model, the data or --gpu-memory cannot be used; the message says which.
+        ScaffoldError: the model or the data cannot be used; the message says which.
     """
     from transformers import AutoTokenizer
 
     data_path = Path(data).expanduser()
     if not data_path.is_file():
         raise ScaffoldError(f"--data {data}: file not found; give a local .jsonl/.json/.parquet file")
-    budget, device = _gpu_budget(gpu_memory)
+    gpu_total = detected_gpu_total(gpu_memory)
+    device = "cpu" if gpu_total is None else "auto"
     model_dir = _model_dir(model)
     try:
         cfg = read_config(model_dir)
@@ -153,9 +139,22 @@ def scaffold_spec(model: str, data: str, *, gpu_memory: str | None = None, name:
     seq_len = _propose_seq_len(lengths, context)
     covered = sum(n <= seq_len for n in lengths)
     checkpointing = False if device == "cpu" else "unsloth"
-    micro_batch, mb_note = _propose_micro_batch(cfg, seq_len, budget, checkpointing)
-    accumulation = max(1, _TARGET_BATCH // micro_batch)
     run_name = name or re.sub(r"[^A-Za-z0-9._-]+", "-", f"{Path(model).name}-{data_path.stem}").strip("-.")[:64]
+    try:  # the proposal as `micro_batch_size: auto` sees it, to size it as the planner does
+        sizing = parse_spec(
+            {
+                "name": run_name,
+                "model": {"name_or_path": model, "device": device},
+                "lora": {"r": _LORA_R, "target_modules": DEFAULT_TARGETS, "gradient_checkpointing": checkpointing},
+                "data": {"path": str(data_path.resolve()), "max_seq_length": seq_len},
+                "train": {"micro_batch_size": "auto", "effective_batch_size": _TARGET_BATCH},
+            },
+            source="the proposed spec",
+        )
+    except SpecError as e:  # a bug here, not the user's
+        raise ScaffoldError(f"the proposed spec does not validate ({e}); please report it") from None
+    micro_batch, mb_note = _propose_micro_batch(sizing, cfg, gpu_total)
+    accumulation = _TARGET_BATCH // micro_batch
 
     def line(key: str, value: Any, comment: str, indent: int = 2) -> str:
         text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
@@ -173,8 +172,8 @@ def scaffold_spec(model: str, data: str, *, gpu_memory: str | None = None, name:
         out.append(line("device", "cpu", "no GPU found and no --gpu-memory given"))
     out += [
         "lora:",
-        line("r", 16, "rank 16 on all projections: the QLoRA paper's setting"),
-        line("alpha", 16, "update scaled by alpha / r = 1"),
+        line("r", _LORA_R, f"rank {_LORA_R} on all projections: the QLoRA paper's setting"),
+        line("alpha", _LORA_R, "update scaled by alpha / r = 1"),
         line("target_modules", DEFAULT_TARGETS, "attention and MLP projections of every layer"),
         line(
             "gradient_checkpointing",
@@ -204,7 +203,7 @@ def scaffold_spec(model: str, data: str, *, gpu_memory: str | None = None, name:
             accumulation,
             f"{micro_batch * accumulation} packed rows per optimizer step",
         ),
-        line("learning_rate", 2e-4, "the usual QLoRA learning rate for r=16"),
+        line("learning_rate", 2e-4, f"the usual QLoRA learning rate for r={_LORA_R}"),
         line("epochs", 1, "one pass; raise it for small data sets"),
         "export:",
         line("gguf", ["q8_0"], "add q4_k_m for a smaller file (needs llama-cpp-python)"),

@@ -7,7 +7,8 @@ import sys
 import pytest
 import yaml
 
-from slimtune.scaffold import ScaffoldError, parse_memory, scaffold_spec
+from slimtune.scaffold import ScaffoldError, scaffold_spec
+from slimtune.sizes import parse_size
 from slimtune.spec import load_spec
 from slimtune.tiny import DATA_FILE, ensure_builtin, save_tiny
 
@@ -43,11 +44,39 @@ def test_max_seq_length_covers_the_data(tmp_path):
 
 
 def test_more_gpu_memory_never_proposes_a_smaller_micro_batch():
-    small = yaml.safe_load(scaffold_spec(MODEL, str(DATA_FILE), gpu_memory="64MiB"))["train"]
-    large = yaml.safe_load(scaffold_spec(MODEL, str(DATA_FILE), gpu_memory="16GiB"))["train"]
+    small = yaml.safe_load(scaffold_spec(MODEL, str(DATA_FILE), gpu_memory=parse_size("64MiB")))["train"]
+    large = yaml.safe_load(scaffold_spec(MODEL, str(DATA_FILE), gpu_memory=parse_size("16GiB")))["train"]
     assert small["micro_batch_size"] < large["micro_batch_size"]
-    for t in (small, large):  # accumulation keeps the optimizer batch near 16 rows
-        assert t["micro_batch_size"] * t["gradient_accumulation_steps"] >= min(16, t["micro_batch_size"])
+    for t in (small, large):  # accumulation keeps the optimizer batch at the spec's effective batch, 16 rows
+        assert t["micro_batch_size"] * t["gradient_accumulation_steps"] == 16
+
+
+def test_init_proposes_the_largest_micro_batch_plan_reports(tmp_path, capsys):
+    """init, `slimtune plan` and `micro_batch_size: auto` share one fitting rule, so they cannot disagree."""
+    from slimtune.cli import main
+
+    # An 8B-shaped config.json with the tiny tokenizer: init and plan read no weights, and at this size
+    # the budgets below give different answers (the tiny model fits 16 rows in any budget that fits 1).
+    model_dir = save_tiny(tmp_path / "m")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)
+    cfg.update(num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072)
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    data = tmp_path / "long.jsonl"  # ~1750 tokens a record: activations matter
+    data.write_text(
+        "".join(json.dumps({"text": " ".join(f"w{i * j % 97}" for j in range(700))}) + "\n" for i in range(8))
+    )
+    proposals = {}
+    for budget in ("7GiB", "10GiB", "12GiB", "16GiB"):
+        assert main(["init", "--model", str(model_dir), "--data", str(data), "--gpu-memory", budget]) == 0
+        spec = tmp_path / f"{budget}.yaml"
+        spec.write_text(capsys.readouterr().out)
+        proposals[budget] = yaml.safe_load(spec.read_text())["train"]["micro_batch_size"]
+        main(["plan", str(spec), "--gpu-memory", budget, "--set", "train.micro_batch_size=auto"])
+        reported = capsys.readouterr().out.splitlines()[-1]  # "largest micro-batch that fits at N tokens: X; ..."
+        largest = reported.split(": ")[1].split(";")[0]
+        assert proposals[budget] == (1 if largest == "none" else int(largest)), (budget, reported)
+    assert len(set(proposals.values())) >= 3, proposals  # the budgets did discriminate
 
 
 def test_prompt_completion_and_text_data_are_detected(tmp_path):
@@ -72,11 +101,6 @@ def test_chat_data_on_a_tokenizer_without_template_is_refused(tmp_path):
         scaffold_spec(str(model_dir), str(DATA_FILE))
 
 
-@pytest.mark.parametrize(("text", "expected"), [("16GiB", 16 * 1024**3), ("24GB", 24 * 10**9), ("80", 80 * 1024**3)])
-def test_parse_memory(text, expected):
-    assert parse_memory(text) == expected
-
-
 def test_cli_init_writes_the_spec_to_stdout_and_bad_input_exits_2(tmp_path):
     ok = subprocess.run(
         [sys.executable, "-m", "slimtune.cli", "init", "--model", MODEL, "--data", str(DATA_FILE)],
@@ -89,7 +113,6 @@ def test_cli_init_writes_the_spec_to_stdout_and_bad_input_exits_2(tmp_path):
     assert load_spec(tmp_path / "spec.yaml").data.path == str(DATA_FILE.resolve())
     for args, field in (
         (["--data", str(tmp_path / "missing.jsonl")], "--data"),
-        (["--data", str(DATA_FILE), "--gpu-memory", "lots"], "--gpu-memory"),
         (["--data", str(DATA_FILE), "--model", str(tmp_path / "nope")], "--model"),
     ):
         model = [] if "--model" in args else ["--model", MODEL]
@@ -97,3 +120,22 @@ def test_cli_init_writes_the_spec_to_stdout_and_bad_input_exits_2(tmp_path):
             [sys.executable, "-m", "slimtune.cli", "init", *model, *args], capture_output=True, text=True, timeout=300
         )
         assert bad.returncode == 2 and f"slimtune: error: ScaffoldError: {field}" in bad.stderr, bad.stderr
+    # A size is checked by argparse with the planner's rule (slimtune.sizes), before anything is read.
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slimtune.cli",
+            "init",
+            "--model",
+            MODEL,
+            "--data",
+            str(DATA_FILE),
+            "--gpu-memory",
+            "lots",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "argument --gpu-memory: 'lots' is not a size" in bad.stderr, bad.stderr

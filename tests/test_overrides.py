@@ -93,3 +93,17 @@ def test_cli_unknown_override_exits_2_naming_it():
     res = _cli("validate", str(TINY), "--set", "train.lr=1e-4")
     assert res.returncode == 2
     assert "unknown field 'train.lr'" in res.stderr and "learning_rate" in res.stderr
+
+
+def test_plan_takes_set_overrides_like_run_and_validate(capsys):
+    from slimtune.cli import main
+
+    args = ["plan", str(TINY), "--gpu-memory", "16GiB", "--host-memory", "64GiB"]
+    assert main(args) == 0
+    assert "micro-batch 4 x 256 tokens" in capsys.readouterr().out  # as in the file
+    overrides = ["--set", "train.micro_batch_size=3", "--set", "data.max_seq_length=128", "--set", "model.device=auto"]
+    assert main([*args, *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 3 x 128 tokens" in out and "CUDA context" in out  # planned for a GPU, not the file's CPU
+    assert main([*args, "--set", "train.lr=1e-4"]) == 2
+    assert "unknown field 'train.lr'" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from slimtune.plan import Budget, auto_micro_batch, micro_batch_candidates, plan, render
+from slimtune.sizes import parse_size
 from slimtune.spec import parse_spec
 
 _GIB = 1024**3
@@ -104,4 +105,26 @@ def test_cli_plan_prints_every_stage_and_exits_1_when_something_does_not_fit(tmp
     out = capsys.readouterr().out
     for stage in ("load_4bit", "packed_sft", "dequant_merge", "gguf_convert_and_push"):
         assert stage in out
+    assert main(["plan", str(path), "--gpu-memory", "16", "--host-memory", "16"]) == 0  # bare numbers are GiB
+    assert capsys.readouterr().out == out
     assert main(["plan", str(path), "--gpu-memory", "6GiB", "--host-memory", "16GiB"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("16GiB", 16 * _GIB),
+        ("24GB", 24 * 10**9),
+        ("512 MiB", 512 * 1024**2),
+        ("1.5gib", int(1.5 * _GIB)),
+        ("80", 80 * _GIB),
+    ],
+)
+def test_one_size_rule_for_init_and_plan_a_bare_number_is_gib(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "16 GiBs", "-1GiB", "0", ""])
+def test_a_bad_size_is_refused_with_examples(bad):
+    with pytest.raises(ValueError, match="is not a size; give e.g. 16GiB"):
+        parse_size(bad)
