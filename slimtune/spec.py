@@ -38,8 +38,29 @@ MAX_CRASH_RESUBMITS = 10
 GGUF_ALIASES = {"not_quantized": "f16", "fast_quantized": "q8_0", "quantized": "q4_k_m"}
 
 
+def _form_schema(schema: dict[str, Any]) -> None:
+    """Make a section's JSON schema one the Prefect run form renders: a one-value Literal becomes an enum
+    (a `const` shows as "cannot be changed"), and an optional field's null branch is dropped (it shows as
+    "Property is type None"; leaving the field empty already means None)."""
+
+    def fix(prop: dict[str, Any]) -> dict[str, Any]:
+        if "const" in prop:
+            prop["enum"] = [prop.pop("const")]
+        branches = [fix(b) for b in prop.get("anyOf", []) if b.get("type") != "null"]
+        if "anyOf" in prop:
+            if len(branches) == 1:
+                del prop["anyOf"]
+                prop = {**branches[0], **prop}
+            else:
+                prop["anyOf"] = branches
+        return prop
+
+    for name, prop in schema.get("properties", {}).items():
+        schema["properties"][name] = fix(prop)
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, json_schema_extra=_form_schema)
 
 
 class ModelSpec(_Section):
@@ -47,8 +68,9 @@ class ModelSpec(_Section):
 
     name_or_path: str = Field(
         f"{BUILTIN_PREFIX}llama",
-        description="Hub id (org/name), a local model directory, or builtin:tiny-<family> "
-        f"({', '.join(FAMILIES)}) for the locally built test models.",
+        description="Hub id (org/name), a local model directory, or one of the locally built test models: "
+        + ", ".join(BUILTIN_PREFIX + f for f in FAMILIES)
+        + ".",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
     trust_remote_code: bool = Field(
@@ -195,6 +217,11 @@ class TrainSpec(_Section):
         "auto", description="Triton kernels: auto (what the GPU and family support), off, or a list of kernel names."
     )
     num_gpus: int = Field(1, ge=1, le=64, description="Data-parallel GPUs on this host (torchrun).")
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list,
+        description="Experiment trackers, offline: tensorboard (events in the run directory), mlflow (a file "
+        "store in the run directory unless MLFLOW_TRACKING_URI is set), wandb (offline unless WANDB_MODE is set).",
+    )
 
     @field_validator("kernels")
     @classmethod
@@ -266,6 +293,10 @@ class ExportSpec(_Section):
     verify: bool = Field(True, description="Load every GGUF and compare it with the merged model.")
     split_max_size_gb: float | None = Field(None, gt=0, description="Split GGUF files larger than this.")
     push: PushSpec | None = Field(None, description="Push to the Hub; omit to keep files local.")
+    license: str | None = Field(
+        None,
+        description="License id for the model cards (e.g. apache-2.0) when the base model's own card names none.",
+    )
 
     @field_validator("gguf")
     @classmethod

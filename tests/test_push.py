@@ -437,6 +437,6 @@ def test_modelfile_without_a_recognisable_template_has_no_template():
         "{{ m['content'] }}<|eot_id|>{% endfor %}"
     )
     text = render_modelfile("m.gguf", llama3_like, eos_token="<|eot_id|>", bos_token="<|begin_of_text|>")
-    assert "TEMPLATE" not in text.replace("no TEMPLATE", "") and "not ChatML" in text
+    assert "TEMPLATE" not in text.replace("no TEMPLATE", "") and "matches none of" in text
     assert 'PARAMETER stop "<|eot_id|>"' in text and text.count("PARAMETER stop") == 1
     assert "# The tokenizer has no chat template" in render_modelfile("m.gguf", None)
