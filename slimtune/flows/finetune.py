@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from prefect import flow
 from prefect.runtime import flow_run
 
 from slimtune import registry
+from slimtune.charts import publish_memory_chart
 from slimtune.flows.crash import crash_downshift
 from slimtune.flows.stages import (
     attach_lora_task,
@@ -66,7 +69,10 @@ def finetune(spec: PipelineSpec) -> dict:
                     )
     finally:
         registry.release_all()  # also on failure: a failed run must not pin a model in this process
-        publish_memory_report(load_records(spec.run_dir() / "memory"))
+        records = load_records(spec.run_dir() / "memory")
+        publish_memory_report(records)
+        publish_memory_chart(records)
+    summary["memory"] = [asdict(r) for r in records]
     summary["report"] = str(write_run_report(spec.run_dir(), summary))
     return summary
 
