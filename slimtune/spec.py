@@ -128,6 +128,7 @@ class LoraSpec(_Section):
     target_modules: Literal["all-linear"] | list[str] = Field(
         default_factory=lambda: list(DEFAULT_TARGETS),
         description="Module names to adapt, or all-linear for every linear layer except the output head.",
+        json_schema_extra={"default": DEFAULT_TARGETS},  # the run form starts from the list, not an empty str
     )
     use_rslora: bool = Field(False, description="Rank-stabilised LoRA scaling (alpha / sqrt(r)).")
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")

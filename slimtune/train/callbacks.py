@@ -80,7 +80,7 @@ class PrefectProgressCallback(TrainerCallback):
         self.chart_every_s = chart_every_s
         self.artifact_id = None
         self._last = -1.0
-        self._began = 0.0
+        self._began: float | None = None
         self._first_step = 0
         self._loss: float | None = None
         self._tokens_per_s: float | None = None
@@ -93,7 +93,7 @@ class PrefectProgressCallback(TrainerCallback):
             return
         from prefect.artifacts import create_progress_artifact
 
-        self._began = time.perf_counter()
+        self._began = None  # set at the first step's end: the eval before training is not a step's time
         self._first_step = state.global_step  # a resumed run's ETA counts only the steps it trains
         self._train = [(e["step"], e["loss"]) for e in state.log_history if "loss" in e]
         self._eval = [(e["step"], e["eval_loss"]) for e in state.log_history if "eval_loss" in e]
@@ -120,6 +120,8 @@ class PrefectProgressCallback(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if self.artifact_id is None:
             return
+        if self._began is None:
+            self._began, self._first_step = time.perf_counter(), state.global_step
         pct = self._percent(state)
         if pct - self._last >= 100 / self.updates or state.global_step >= state.max_steps:
             self._update(state)
@@ -152,7 +154,7 @@ class PrefectProgressCallback(TrainerCallback):
         """'training: step 15/30 · ETA 1m 20s · loss 2.3140 · 4,210 tok/s' (what is known so far)."""
         parts = [f"training: step {state.global_step}/{state.max_steps}"]
         done = state.global_step - self._first_step
-        if done > 0:
+        if self._began is not None and done > 0:
             left = (now - self._began) / done * (state.max_steps - state.global_step)
             parts.append(f"ETA {_duration(left)}")
         if self._loss is not None:
