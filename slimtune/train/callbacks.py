@@ -68,11 +68,12 @@ class PrefectProgressCallback(TrainerCallback):
         key: progress artifact key (made lowercase letters, digits and dashes); None = unkeyed.
         curve_key: loss-curve artifact key, likewise; None = unkeyed.
         updates: at most this many progress updates over the run (each is an API call; 100 = every 1%).
-        chart_every_s: re-draw the loss curve at most this often (a PNG is ~20 KB per artifact version).
+        chart_every_s: re-draw the loss curve at most this often: each re-draw stores a new artifact version
+            of ~23 KB (measured for 24 and 2,000 steps), so 30 s keeps a 10-hour run to ~1,200 versions, 28 MB.
     """
 
     def __init__(
-        self, key: str | None = None, updates: int = 100, chart_every_s: float = 10.0, curve_key: str | None = None
+        self, key: str | None = None, updates: int = 100, chart_every_s: float = 30.0, curve_key: str | None = None
     ):
         self.key = _artifact_key(key)
         self.curve_key = _artifact_key(curve_key)
@@ -114,7 +115,8 @@ class PrefectProgressCallback(TrainerCallback):
         if self.artifact_id is None:
             return
         self._update(state)  # the step's figures are known only now (Trainer logs after on_step_end)
-        if time.perf_counter() - self._charted >= self.chart_every_s:
+        # Evals are rare and the final one comes after on_train_end: each re-draws the curve at once.
+        if "eval_loss" in logs or time.perf_counter() - self._charted >= self.chart_every_s:
             self.publish_curve()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
