@@ -220,8 +220,9 @@ class TrainSpec(_Section):
     num_gpus: int = Field(1, ge=1, le=64, description="Data-parallel GPUs on this host (torchrun).")
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
         default_factory=list,
-        description="Experiment trackers, offline: tensorboard (events in the run directory), mlflow (a file "
-        "store in the run directory unless MLFLOW_TRACKING_URI is set), wandb (offline unless WANDB_MODE is set).",
+        description="Experiment trackers, offline: tensorboard (events in the run directory), mlflow (a SQLite "
+        "store, mlflow.db in the run directory, unless MLFLOW_TRACKING_URI is set), wandb (offline unless "
+        "WANDB_MODE is set).",
     )
 
     @field_validator("kernels")

@@ -141,9 +141,10 @@ def test_training_lowers_eval_loss_and_writes_adapter_and_report(full_run, base_
     assert all((p / COMPLETE).is_file() for p in (run_dir / "checkpoints").iterdir())
 
 
-def test_resume_after_crash_gives_the_same_losses(full_run, crashed_run, base_dir, tokenizer, examples, data):
+def test_resume_after_crash_gives_the_same_losses(full_run, crashed_run, base_dir, tokenizer, examples, data, tmp_path):
     _, full = full_run
-    run_dir = crashed_run
+    run_dir = tmp_path / "resumed"  # a copy: finishing the crashed run in place would change it for other tests
+    shutil.copytree(crashed_run, run_dir)
     assert latest_checkpoint(run_dir / "checkpoints").name == f"checkpoint-{SAVE_EVERY}"
     # Leftovers of a crash during a save: an unmarked checkpoint and a staging folder; both must be ignored.
     (run_dir / "checkpoints" / "checkpoint-6").mkdir()
@@ -299,7 +300,7 @@ def test_a_finished_run_rerun_reuses_its_results_and_says_so(base_dir, tokenizer
     assert json.loads((tmp_path / "train_report.json").read_text())["reused_from"] == first.finished_at
 
 
-def test_report_to_writes_tensorboard_events_and_an_mlflow_file_store(base_dir, tokenizer, examples, data, tmp_path):
+def test_report_to_writes_tensorboard_events_and_a_local_mlflow_store(base_dir, tokenizer, examples, data, tmp_path):
     import os
 
     from mlflow.tracking import MlflowClient
@@ -315,13 +316,13 @@ def test_report_to_writes_tensorboard_events_and_an_mlflow_file_store(base_dir, 
     acc.Reload()
     steps = [e.step for e in acc.Scalars("train/loss")]
     assert steps == [e["step"] for e in report.losses] == [1, 2, 3]
-    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    client = MlflowClient(tracking_uri=f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}")
     (run,) = [r for exp in client.search_experiments() for r in client.search_runs([exp.experiment_id])]
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted((m.step, round(m.value, 5)) for m in history) == [
         (e["step"], round(e["loss"], 5)) for e in report.losses
     ]
-    assert not Path("mlruns").exists() or Path("mlruns").resolve() != (tmp_path / "mlruns").resolve()
+    assert not Path("mlruns").exists() and not Path("mlflow.db").exists()  # nothing in the working directory
 
 
 def test_step_lines_progress_and_loss_curve_reach_prefect(

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.integrations import MLflowCallback
 
 from slimtune import atomic
 from slimtune.charts import LOSS_CURVE_KEY
@@ -272,9 +273,12 @@ def train_adapter(
         trainer.add_callback(_EvalBefore(trainer))
         began = time.perf_counter()
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        train_seconds = time.perf_counter() - began
+        # MLflow's run ended with training: a later log would start a second, implicit run, and end it
+        # (at exit) in ./mlflow.db of the working directory (seen).
+        trainer.remove_callback(MLflowCallback)
+        eval_after = trainer.evaluate()["eval_loss"] if eval_rows else None
     eval_before = trainer.checkpoint_state["eval_loss_before"] if eval_before is None else eval_before
-    train_seconds = time.perf_counter() - began
-    eval_after = trainer.evaluate()["eval_loss"] if eval_rows else None
 
     adapter_dir = run_dir / "adapter"
     if trainer.is_world_process_zero():  # under DDP rank 0 alone writes the adapter and the report
@@ -320,7 +324,8 @@ def _offline_trackers(report_to: list[str], run_dir: Path) -> Iterator[None]:
     W&B `WANDB_MODE`/`WANDB_DIR`."""
     wanted = {
         "tensorboard": {"TENSORBOARD_LOGGING_DIR": str(run_dir / "tensorboard")},
-        "mlflow": {"MLFLOW_TRACKING_URI": (run_dir / "mlruns").resolve().as_uri()},
+        # MLflow 3 refuses its file store by default (maintenance mode); SQLite is its local store now.
+        "mlflow": {"MLFLOW_TRACKING_URI": f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"},
         "wandb": {"WANDB_MODE": "offline", "WANDB_DIR": str(run_dir)},
     }
     added = {k: v for name in report_to for k, v in wanted[name].items() if k not in os.environ}
