@@ -36,7 +36,7 @@ from slimtune.charts import LOSS_CURVE_KEY
 from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
 from slimtune.spec import DataSpec, TrainSpec
 from slimtune.train import checkpoints
-from slimtune.train.callbacks import LogCallback, PrefectProgressCallback
+from slimtune.train.callbacks import LogCallback, PrefectProgressCallback, run_logger
 from slimtune.train.options import choose_batching, model_device, resolve_optimizer, resolve_precision, scheduler_name
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def train_adapter(
         report.run_id, report.finished_at = _run_identity()
         if args.process_index == 0:
             atomic.write_json(run_dir / REPORT_FILE, asdict(report))
-        log.info("nothing left to train: reusing the adapter and results of run %s", report.reused_from)
+        run_logger().info("nothing left to train: reusing the adapter and results of run %s", report.reused_from)
         return report
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     collator = RowCollator(
