@@ -1,4 +1,9 @@
-"""The run report: one JSON file for machines, one markdown file and Prefect artifact for people."""
+"""The run report: one JSON file for machines, one markdown file and Prefect artifact for people.
+
+The markdown leads with what a user takes away (the GGUF files and how well llama.cpp reproduces the
+merged model, where the adapter and merged model are, eval loss before and after, time and memory per
+stage); the per-stage details follow.
+"""
 
 from __future__ import annotations
 
@@ -8,37 +13,124 @@ from pathlib import Path
 from slimtune import atomic
 
 log = logging.getLogger(__name__)
+_GIB = 1024**3
+_STAGES = ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push")
+# Stage table columns: (header, GuardRecord field, format); a column that is empty in every row is left out
+# (on a CPU run every GPU figure is None).
+_STAGE_COLUMNS = (
+    ("seconds", "seconds", lambda v: f"{v:.1f}"),
+    ("peak host RSS GiB", "peak_host_rss", lambda v: f"{v / _GIB:.2f}"),
+    ("peak GPU allocated GiB", "peak_gpu_allocated", lambda v: f"{v / _GIB:.2f}"),
+    ("peak GPU used GiB", "peak_device_used", lambda v: f"{v / _GIB:.2f}"),
+    ("attempts", "attempts", lambda v: str(v) if v > 1 else None),
+    ("downshifts", "downshifts", lambda v: "; ".join(v) or None),
+)
 
 
 def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
-    if isinstance(value, (list, tuple)) and len(value) > 6:
-        return f"{len(value)} items"
     return str(value)
 
 
-def _rows(title: str, record: dict) -> list[str]:
-    rows = [f"### {title}", "", "| field | value |", "|---|---|"]
-    for key, value in record.items():
-        if isinstance(value, dict):
-            continue
-        rows.append(f"| {key} | {_fmt(value)} |")
-    return rows + [""]
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _training_rows(trained: dict) -> list[list[str]]:
+    rows = []
+    if trained.get("reused_from"):
+        rows.append(["trained", f"nothing left to train: results of run {trained['reused_from']}"])
+    before, after = trained.get("eval_loss_before"), trained.get("eval_loss_after")
+    if before is not None or after is not None:
+        rows.append(["eval loss", f"{_fmt(before)} → {_fmt(after)}"])
+    losses = trained.get("losses") or []
+    if losses:
+        rows.append(["train loss", f"{losses[0]['loss']:.4g} → {losses[-1]['loss']:.4g} (step {losses[-1]['step']})"])
+    rows.append(["steps", str(trained.get("steps"))])
+    rows.append(["tokens/s", f"{trained.get('tokens_per_s', 0):,.0f} ({trained.get('tokens_seen', 0):,} tokens)"])
+    rows.append(["padding waste", f"{100 * trained.get('padding_waste', 0):.1f}%"])
+    rows.append(["adapter", f"`{trained.get('adapter_dir')}`"])
+    return rows
+
+
+def _gguf_rows(export: dict) -> list[list[str]]:
+    rows = []
+    for name, size in export.get("files", {}).items():
+        check = export.get("verification", {}).get(name, {})
+        if "argmax_agreement" in check:
+            verified = [
+                f"{100 * check['argmax_agreement']:.1f}%",
+                f"{check['max_abs_logit_diff']:.3g}",
+                "yes" if check.get("token_ids_equal") else f"no (prompts {check.get('token_mismatches')})",
+            ]
+        else:
+            verified = [check.get("skipped", "not verified"), "", ""]
+        rows.append([f"`{name}`", _size(size), *verified])
+    return rows
+
+
+def _stage_rows(memory: list[dict]) -> tuple[list[str], list[list[str]]]:
+    columns = [c for c in _STAGE_COLUMNS if any(r.get(c[1]) not in (None, [], 0) and c[2](r[c[1]]) for r in memory)]
+    rows = []
+    for r in memory:
+        cells = [c[2](r[c[1]]) if r.get(c[1]) not in (None, []) else "" for c in columns]
+        rows.append([r["stage"], r.get("outcome", "?"), *[cell or "" for cell in cells]])
+    return ["stage", "outcome", *[c[0] for c in columns]], rows
+
+
+def render_results(summary: dict) -> list[str]:
+    """The results section: training outcome, GGUF files and their verification, paths, time and memory."""
+    lines = ["## Results", ""]
+    trained = summary.get("packed_sft")
+    if isinstance(trained, dict):
+        lines += _table(["training", ""], _training_rows(trained)) + [""]
+    merged = summary.get("dequant_merge")
+    if isinstance(merged, dict) and merged.get("out_dir"):
+        lines += [f"Merged model: `{merged['out_dir']}`", ""]
+    export = summary.get("gguf_convert_and_push")
+    if isinstance(export, dict) and export.get("files"):
+        lines += ["### GGUF files, verified in llama.cpp against the merged model", ""]
+        header = ["file", "size", "argmax agreement", "max logit difference", "same token ids"]
+        lines += _table(header, _gguf_rows(export)) + [""]
+        pushed = export.get("pushed")
+        if pushed:
+            lines += [f"Pushed to `{pushed.get('repo_id')}`: {pushed.get('commit_url')}", ""]
+    memory = summary.get("memory") or []
+    if memory:
+        header, rows = _stage_rows(memory)
+        lines += ["### Time and memory per stage", ""] + _table(header, rows) + [""]
+    return lines
+
+
+def _details(title: str, record: dict) -> list[str]:
+    rows = [[key, _fmt(value)] for key, value in record.items() if not isinstance(value, (dict, list))]
+    return [f"### {title}", ""] + _table(["field", "value"], rows) + [""]
 
 
 def render_markdown(summary: dict) -> str:
-    """A readable report: one table per stage, in pipeline order (nested records are left to the JSON)."""
+    """The report: results first, then one table per stage (lists and nested records stay in the JSON)."""
     spec = summary.get("spec", {})
+    data = str(spec.get("data", {}).get("path", "?"))
     lines = [
         f"# slimtune run `{spec.get('name', '?')}`",
         "",
-        f"Model `{spec.get('model', {}).get('name_or_path', '?')}`, data `{spec.get('data', {}).get('path', '?')}`.",
+        f"Model `{spec.get('model', {}).get('name_or_path', '?')}`, data `{Path(data).name or data}`.",
+        "",
+        *render_results(summary),
+        "## Stage details",
         "",
     ]
-    for stage in ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push"):
+    for stage in _STAGES:
         if isinstance(summary.get(stage), dict):
-            lines += _rows(stage, summary[stage])
+            lines += _details(stage, summary[stage])
     lines += _data_sources(((summary.get("packed_sft") or {}).get("data") or {}).get("sources") or [])
     lines += _evaluation(summary.get("evaluation") or {})
     return "\n".join(lines)

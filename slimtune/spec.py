@@ -25,8 +25,29 @@ MAX_CRASH_RESUBMITS = 10
 MERGE_MEMORY_USAGE_MAX = 0.95
 
 
+def _form_schema(schema: dict[str, Any]) -> None:
+    """Make a section's JSON schema one the Prefect run form renders: a one-value Literal becomes an enum
+    (a `const` shows as "cannot be changed"), and an optional field's null branch is dropped (it shows as
+    "Property is type None"; leaving the field empty already means None)."""
+
+    def fix(prop: dict[str, Any]) -> dict[str, Any]:
+        if "const" in prop:
+            prop["enum"] = [prop.pop("const")]
+        branches = [fix(b) for b in prop.get("anyOf", []) if b.get("type") != "null"]
+        if "anyOf" in prop:
+            if len(branches) == 1:
+                del prop["anyOf"]
+                prop = {**branches[0], **prop}
+            else:
+                prop["anyOf"] = branches
+        return prop
+
+    for name, prop in schema.get("properties", {}).items():
+        schema["properties"][name] = fix(prop)
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, json_schema_extra=_form_schema)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -53,8 +74,9 @@ class ModelSpec(_Section):
 
     name_or_path: str = Field(
         f"{BUILTIN_PREFIX}llama",
-        description="Hub id (org/name), a local model directory, or builtin:tiny-<family> "
-        f"({', '.join(FAMILIES)}) for the locally built test models.",
+        description="Hub id (org/name), a local model directory, or one of the locally built test models: "
+        + ", ".join(BUILTIN_PREFIX + f for f in FAMILIES)
+        + ".",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
     trust_remote_code: bool = Field(
@@ -112,6 +134,7 @@ class LoraSpec(_Section):
     target_modules: Literal["all-linear"] | list[str] = Field(
         default_factory=lambda: list(DEFAULT_TARGETS),
         description="Module names to adapt, or all-linear for every linear layer except the output head.",
+        json_schema_extra={"default": DEFAULT_TARGETS},  # the run form starts from the list, not an empty str
     )
     use_rslora: bool = Field(False, description="Rank-stabilised LoRA scaling (alpha / sqrt(r)).")
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
@@ -196,6 +219,10 @@ class DataSpec(_Section):
         "its own and its counts are in the report. The other data settings apply to every source.",
     )
 
+    def files(self) -> list[str]:
+        """The data files (or Hub ids) this spec trains on: the sources' paths, else data.path."""
+        return [s.path for s in self.sources] if self.sources else [self.path]
+
 
 class TrainSpec(_Section):
     """The training loop."""
@@ -234,6 +261,12 @@ class TrainSpec(_Section):
         "auto", description="Triton kernels: auto (what the GPU and family support), off, or a list of kernel names."
     )
     num_gpus: int = Field(1, ge=1, le=64, description="Data-parallel GPUs on this host (torchrun).")
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list,
+        description="Experiment trackers, offline: tensorboard (events in the run directory), mlflow (a SQLite "
+        "store, mlflow.db in the run directory, unless MLFLOW_TRACKING_URI is set), wandb (offline unless "
+        "WANDB_MODE is set).",
+    )
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -316,6 +349,10 @@ class ExportSpec(_Section):
         False,
         description="Also write the LoRA adapter as a llama.cpp LoRA GGUF (gguf/<name>-lora.gguf), to load "
         "on the base model's GGUF (llama.cpp --lora); verified against the merged GGUF when export.verify.",
+    )
+    license: str | None = Field(
+        None,
+        description="License id for the model cards (e.g. apache-2.0) when the base model's own card names none.",
     )
 
     @field_validator("gguf")

@@ -309,7 +309,7 @@ def test_model_card_lists_what_was_trained_and_how_to_run_it():
         repo_id="someone/Chat-GGUF",
         base_model="Qwen/Qwen2.5-0.5B",
         quants=quants,
-        dataset="someone/chats",
+        datasets=["someone/chats"],
         lora={"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]},
         metrics={"final_loss": 1.234567, "peak_gib": 3.5},
         license_id="apache-2.0",
@@ -341,7 +341,7 @@ def test_model_card_keeps_local_paths_out_of_the_metadata(tmp_path: Path):
     card = render_model_card(
         repo_id="someone/x",
         base_model="builtin:tiny-llama",
-        dataset=str(tmp_path),
+        datasets=[str(tmp_path)],
         quants=[{"file": "x.gguf", "method": "q8_0", "size_bytes": 10}],
     )
     meta = yaml.safe_load(card.split("---\n")[1])
@@ -437,6 +437,6 @@ def test_modelfile_without_a_recognisable_template_has_no_template():
         "{{ m['content'] }}<|eot_id|>{% endfor %}"
     )
     text = render_modelfile("m.gguf", llama3_like, eos_token="<|eot_id|>", bos_token="<|begin_of_text|>")
-    assert "TEMPLATE" not in text.replace("no TEMPLATE", "") and "not ChatML" in text
+    assert "TEMPLATE" not in text.replace("no TEMPLATE", "") and "matches none of" in text
     assert 'PARAMETER stop "<|eot_id|>"' in text and text.count("PARAMETER stop") == 1
     assert "# The tokenizer has no chat template" in render_modelfile("m.gguf", None)

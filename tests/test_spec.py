@@ -107,3 +107,35 @@ def test_yaml_errors_are_spec_errors(tmp_path):
         load_spec(bad)
     with pytest.raises(SpecError, match="not found"):
         load_spec(tmp_path / "absent.yaml")
+
+
+def _schema_nodes(node):
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _schema_nodes(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _schema_nodes(value)
+
+
+def test_run_form_schema_has_no_const_or_null_branches():
+    """Prefect's run form shows a `const` as "... is a const and cannot be changed" and a null branch as
+    "Property is type None"; the flow's parameter schema must have neither, and the same defaults."""
+    from prefect.utilities.callables import parameter_schema
+
+    from slimtune.flows import finetune
+
+    schema = parameter_schema(finetune.fn).model_dump()
+    nodes = list(_schema_nodes(schema))
+    assert not [n for n in nodes if "const" in n]
+    assert not [n for n in nodes if n.get("type") == "null"]
+    sections = schema["definitions"]
+    targets = sections["LoraSpec"]["properties"]["target_modules"]
+    assert {"enum": ["all-linear"], "type": "string"} in targets["anyOf"]
+    assert sections["TrainSpec"]["properties"]["max_steps"]["type"] == "integer"
+    assert sections["TrainSpec"]["properties"]["max_steps"]["default"] is None
+    assert "<" not in sections["ModelSpec"]["properties"]["name_or_path"]["description"]  # HTML would eat it
+    # The model itself still accepts what the schema no longer spells out.
+    spec = PipelineSpec.model_validate({"lora": {"target_modules": "all-linear"}, "train": {"max_steps": None}})
+    assert spec.lora.target_modules == "all-linear" and spec.train.max_steps is None

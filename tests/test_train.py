@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -140,9 +141,10 @@ def test_training_lowers_eval_loss_and_writes_adapter_and_report(full_run, base_
     assert all((p / COMPLETE).is_file() for p in (run_dir / "checkpoints").iterdir())
 
 
-def test_resume_after_crash_gives_the_same_losses(full_run, crashed_run, base_dir, tokenizer, examples, data):
+def test_resume_after_crash_gives_the_same_losses(full_run, crashed_run, base_dir, tokenizer, examples, data, tmp_path):
     _, full = full_run
-    run_dir = crashed_run
+    run_dir = tmp_path / "resumed"  # a copy: finishing the crashed run in place would change it for other tests
+    shutil.copytree(crashed_run, run_dir)
     assert latest_checkpoint(run_dir / "checkpoints").name == f"checkpoint-{SAVE_EVERY}"
     # Leftovers of a crash during a save: an unmarked checkpoint and a staging folder; both must be ignored.
     (run_dir / "checkpoints" / "checkpoint-6").mkdir()
@@ -281,3 +283,85 @@ def test_model_device_is_where_the_trainable_weights_are():
     model = torch.nn.Sequential(torch.nn.Embedding(4, 2, device="meta"), torch.nn.Linear(2, 2))
     model[0].weight.requires_grad_(False)
     assert model_device(model).type == "cpu"
+
+
+def test_a_finished_run_rerun_reuses_its_results_and_says_so(base_dir, tokenizer, examples, data, tmp_path):
+    first = _train(base_dir, tokenizer, examples, data, tmp_path, max_steps=4, save_steps=2)
+    again = _train(base_dir, tokenizer, examples, data, tmp_path, max_steps=4, save_steps=2)
+    assert first.tokens_per_s > 0 and first.reused_from is None and first.finished_at
+    assert again.steps == first.steps == 4 and again.resumed_from is not None
+    # Nothing was trained the second time: the figures are the first run's, and the report says whose.
+    assert again.reused_from == first.finished_at  # outside Prefect there is no flow run id
+    assert (again.tokens_per_s, again.padding_waste, again.losses) == (
+        first.tokens_per_s,
+        first.padding_waste,
+        first.losses,
+    )
+    assert json.loads((tmp_path / "train_report.json").read_text())["reused_from"] == first.finished_at
+
+
+def test_report_to_writes_tensorboard_events_and_a_local_mlflow_store(base_dir, tokenizer, examples, data, tmp_path):
+    import os
+
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    env_before = dict(os.environ)
+    report = _train(
+        base_dir, tokenizer, examples, data, tmp_path, max_steps=3, logging_steps=1, report_to=["tensorboard", "mlflow"]
+    )
+    assert dict(os.environ) == env_before  # the tracker settings were scoped to the training call
+    (events,) = {p.parent for p in (tmp_path / "tensorboard").rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert steps == [e["step"] for e in report.losses] == [1, 2, 3]
+    client = MlflowClient(tracking_uri=f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}")
+    (run,) = [r for exp in client.search_experiments() for r in client.search_runs([exp.experiment_id])]
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted((m.step, round(m.value, 5)) for m in history) == [
+        (e["step"], round(e["loss"], 5)) for e in report.losses
+    ]
+    assert not Path("mlruns").exists() and not Path("mlflow.db").exists()  # nothing in the working directory
+
+
+def test_step_lines_progress_and_loss_curve_reach_prefect(
+    prefect_harness, base_dir, tokenizer, examples, data, tmp_path
+):
+    import base64
+
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    @task
+    def train_task() -> dict:
+        report = _train(base_dir, tokenizer, examples, data, tmp_path / "run", max_steps=4, logging_steps=2)
+        return {"steps": report.steps}
+
+    @flow
+    def train_flow() -> str:
+        train_task()
+        from prefect.runtime import flow_run
+
+        return flow_run.id
+
+    run_id = train_flow()
+    APILogWorker.drain_all(timeout=30)  # the run logger sends its lines in the background
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+        artifacts = [a for a in client.read_artifacts() if str(a.flow_run_id) == run_id]
+    steps = [m for m in (log.message for log in logs) if m.startswith("step ")]
+    train_lines = [s for s in steps if "eval loss" not in s]
+    assert [s.split(" loss")[0] for s in train_lines] == ["step 2/4", "step 4/4"], steps
+    assert all("tok/s" in s and "lr " in s and "host RSS" in s for s in train_lines), steps
+    assert [s.split(" eval")[0] for s in steps if "eval loss" in s] == ["step 0/4", "step 4/4"], steps
+    (progress,) = [a for a in artifacts if a.type == "progress"]
+    assert progress.data == 100.0 and re.search(
+        r"step 4/4 · ETA 0s · loss \d+\.\d{4} · [\d,]+ tok/s", progress.description
+    )
+    curves = [a for a in artifacts if a.key == "run-loss-curve"]
+    assert curves, [a.key for a in artifacts]
+    png = base64.b64decode(re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)\)", curves[-1].data).group(1))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,28 +1,36 @@
-"""The Prefect UI shows a finished run: six named task runs, the memory report and the run report as tables.
+"""The Prefect UI shows a run as a user needs it: progress with loss and ETA while it trains; afterwards the
+loss curve, the memory chart and the GGUF verification, listed on the flow-run page and shown on their
+artifact pages (Prefect 3.8 lists artifacts on the run page as cards); and a run form without broken fields.
 
 Headless Chromium (Debian's `chromium`; .ci/run installs it) loads the UI served by a real
-`prefect server start`, after the tiny pipeline ran against that server. The UI is a JavaScript app,
-so the checks read the DOM Chromium rendered, not the HTML the server sent. The screenshot of the
-flow-run page is kept in the run directory (runs/tiny-smoke-ui/ui-flow-run.png) as the CI artifact.
+`prefect server start`. The UI is a JavaScript app, so the checks read the DOM Chromium rendered, not
+the HTML the server sent, and a picture counts as shown only when its colours are in the screenshot.
+Everything (run directory, Prefect home, screenshots) is written under pytest's tmp folder; the
+screenshots' folder is printed (`pytest -s`) and kept by pytest as the test's output.
 """
 
 from __future__ import annotations
 
-import shutil
+import json
+import re
 import subprocess
 import sys
+import time
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import yaml
 from prefect_server import REPO, start_server
 
 from slimtune.flows.stages import STAGES
 
 _CHROMIUM = Path("/usr/bin/chromium")
 _NAME = "tiny-smoke-ui"
+_STEPS = 24  # 1-5 s a step on 2 busy CPU cores: long enough to see the progress artifact mid-training
 # Virtual time lets the app fetch and render before the DOM is dumped; 15 s covers the slowest page here.
 _BUDGET_MS = 15000
+_TAB_BLUE = (31, 119, 180)  # matplotlib's first colour: the train-loss line and the host-memory bars
 
 
 class _Tables(HTMLParser):
@@ -60,7 +68,7 @@ def _rendered(profile: Path, url: str, needle: str) -> str:
     return dom
 
 
-def _chromium(profile: Path, url: str, *args: str, budget_ms: int = _BUDGET_MS) -> str:
+def _chromium(profile: Path, url: str, *args: str, budget_ms: int = _BUDGET_MS, height: int = 1000) -> str:
     if not _CHROMIUM.is_file():
         pytest.fail("Chromium is missing: apt-get install -y chromium (.ci/run installs it before the tests)")
     cmd = [
@@ -75,13 +83,28 @@ def _chromium(profile: Path, url: str, *args: str, budget_ms: int = _BUDGET_MS) 
         "--disable-sync",
         f"--user-data-dir={profile}",
         f"--virtual-time-budget={budget_ms}",
-        "--window-size=1400,1000",
+        f"--window-size=1400,{height}",
         *args,
         url,
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"chromium exited {done.returncode}: {done.stderr[-2000:]}"
     return done.stdout
+
+
+def _screenshot(profile: Path, url: str, shot: Path, height: int = 1000) -> Path:
+    _chromium(profile, url, f"--screenshot={shot}", height=height)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", shot
+    print(f"screenshot: {shot}")
+    return shot
+
+
+def _pixels_near(shot: Path, colour: tuple[int, int, int], tolerance: int = 20) -> int:
+    """How many pixels of the screenshot are within `tolerance` of `colour` in every channel."""
+    from PIL import Image
+
+    image = Image.open(shot).convert("RGB")
+    return sum(all(abs(a - b) <= tolerance for a, b in zip(px, colour)) for px in image.getdata())
 
 
 def _table_rows(html: str) -> list[list[str]]:
@@ -90,52 +113,136 @@ def _table_rows(html: str) -> list[list[str]]:
     return [row for row in parser.rows if row]
 
 
-def test_flow_run_page_shows_tasks_and_reports(tmp_path, request):
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, request):
+    return start_server(tmp_path_factory.mktemp("prefect-home"), request.addfinalizer, ui=True)
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("ui-screenshots")
+    print(f"UI screenshots are kept in {folder}")
+    return folder
+
+
+def _spec_file(tmp_path: Path) -> Path:
+    """tiny-smoke, longer, with its run directory under tmp_path (never inside the checkout)."""
+    from slimtune.spec import load_spec
+
+    spec = load_spec(REPO / "deployments" / "tiny-smoke.yaml")
+    spec.name, spec.output_dir = _NAME, str(tmp_path / "runs")
+    spec.train.max_steps, spec.train.save_steps, spec.train.logging_steps = _STEPS, _STEPS, 1
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    return path
+
+
+def _artifacts(server, run_id=None) -> list:
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from slimtune.spec import load_spec
+    with temporary_settings({PREFECT_API_URL: server.url}):
+        with get_client(sync_client=True) as client:
+            return [a for a in client.read_artifacts() if run_id is None or a.flow_run_id == run_id]
 
-    server = start_server(tmp_path / "home", request.addfinalizer, ui=True)
-    spec = load_spec(REPO / "deployments" / "tiny-smoke.yaml")
-    spec.name = _NAME
-    shutil.rmtree(spec.run_dir(), ignore_errors=True)  # a fresh run, not a resumed one
+
+def test_flow_run_page_shows_progress_charts_and_gguf_verification(server, shots, tmp_path):
+    root = server.url.removesuffix("/api")
+    profile = tmp_path / "chromium"
     # The flow runs in its own process: Prefect 3 reports task runs as events through a process-wide
     # worker bound to the first API it saw, which inside this test session may be another test's server.
     run_flow = (
         "import sys; from slimtune.flows import finetune; from slimtune.spec import load_spec; "
-        "s = load_spec(sys.argv[1]); s.name = sys.argv[2]; finetune(s)"
+        "finetune(load_spec(sys.argv[1]))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", run_flow, str(REPO / "deployments" / "tiny-smoke.yaml"), _NAME],
+    proc = subprocess.Popen(
+        [sys.executable, "-c", run_flow, str(_spec_file(tmp_path))],
         env=server.env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        cwd=tmp_path,
+        stdout=(tmp_path / "flow.log").open("wb"),
+        stderr=subprocess.STDOUT,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    with temporary_settings({PREFECT_API_URL: server.url}):
-        with get_client(sync_client=True) as client:
-            (run,) = client.read_flow_runs()
-            artifacts = {a.key: a.id for a in client.read_artifacts() if a.flow_run_id == run.id}
+    try:
+        # During training: the progress artifact has a loss and an ETA, rendered by the UI.
+        progress = None
+        deadline = time.monotonic() + 400
+        while progress is None and proc.poll() is None and time.monotonic() < deadline:
+            found = [
+                a
+                for a in _artifacts(server)
+                if a.key == f"{_NAME}-training" and {"ETA", "loss"} <= set((a.description or "").split())
+            ]
+            progress = found[0] if found and found[0].data < 100 else None
+            time.sleep(0.5)
+        assert progress is not None, (tmp_path / "flow.log").read_text()[-3000:]
+        dom = _rendered(profile, f"{root}/artifacts/artifact/{progress.id}", "ETA")
+        shown = re.search(r"training: step (\d+)/(\d+) · ETA [\dhms ]+ · loss \d+\.\d{4} · [\d,]+ tok/s", dom)
+        assert shown, re.findall(r"training:[^<]*", dom) or dom[-3000:]
+        assert int(shown.group(1)) < int(shown.group(2)) == _STEPS  # caught while training, not after
+        _screenshot(profile, f"{root}/artifacts/artifact/{progress.id}", shots / "during-training-progress.png")
+        assert proc.wait(timeout=900) == 0, (tmp_path / "flow.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (REPO / "runs" / _NAME).exists()  # the run stayed under tmp_path
 
-    assert {"memory-report", "run-report", f"{_NAME}-training"} <= set(artifacts), artifacts
-    root = server.url.removesuffix("/api")
-    profile = tmp_path / "chromium"
-    tasks_dom = _rendered(profile, f"{root}/runs/flow-run/{run.id}?tab=Task%20Runs", f"{STAGES[-1]} [{_NAME}]")
+    (run_id,) = {a.flow_run_id for a in _artifacts(server) if a.key == "run-report"}
+    latest = {a.key: a for a in sorted(_artifacts(server, run_id), key=lambda a: a.created)}
+    assert {"memory-report", "memory-chart", "run-report", f"{_NAME}-loss-curve"} <= set(latest), set(latest)
+
+    # After the run: the flow-run page lists every stage and shows the pictures and the GGUF verification.
+    page = f"{root}/runs/flow-run/{run_id}"
+    tasks_dom = _rendered(profile, f"{page}?tab=Task%20Runs", f"{STAGES[-1]} [{_NAME}]")
     for stage in STAGES:
         assert f"{stage} [{_NAME}]" in tasks_dom, f"task run {stage} not rendered"
-    assert f"{_NAME}: builtin:tiny-llama on tiny_chat.jsonl" in tasks_dom  # the flow run's name
 
-    memory = _table_rows(_rendered(profile, f"{root}/artifacts/artifact/{artifacts['memory-report']}", STAGES[-1]))
+    for key, shot in ((f"{_NAME}-loss-curve", "loss-curve.png"), ("memory-chart", "memory-chart.png")):
+        url = f"{root}/artifacts/artifact/{latest[key].id}"
+        dom = _rendered(profile, url, "data:image/png;base64,")
+        assert re.search(r'<img [^>]*src="data:image/png;base64,', dom), f"{key}: no image in the page"
+        blue = _pixels_near(_screenshot(profile, url, shots / shot), _TAB_BLUE)
+        assert blue > 300, f"{key}: the picture is in the DOM but not on screen ({blue} matplotlib-blue pixels)"
+
+    report = _table_rows(_rendered(profile, f"{root}/artifacts/artifact/{latest['run-report'].id}", ".gguf"))
+    gguf = [row for row in report if row and row[0] == f"{_NAME}-f16.gguf"]
+    assert gguf and gguf[0][2].endswith("%") and float(gguf[0][2][:-1]) > 90, report
+    _screenshot(profile, f"{root}/artifacts/artifact/{latest['run-report'].id}", shots / "run-report.png", 1600)
+    # The flow-run page lists the artifacts (cards linking to the pages above); the V1 UI resets a ?tab= link
+    # to Logs while the run loads, the V2 UI keeps it. Its Logs tab has the step lines.
+    listing_url = f"{root}/v2/runs/flow-run/{run_id}?tab=Artifacts"
+    listing = _rendered(profile, listing_url, "memory-chart")
+    for key in ("run-report", "memory-report", "memory-chart", f"{_NAME}-loss-curve", f"{_NAME}-training"):
+        assert key in listing, f"{key} is not listed on the flow-run page"
+    _screenshot(profile, listing_url, shots / "flow-run-artifacts.png", 1400)
+    _screenshot(profile, page, shots / "flow-run-logs.png", 2400)
+
+    memory = _table_rows(_rendered(profile, f"{root}/artifacts/artifact/{latest['memory-report'].id}", STAGES[-1]))
     assert memory and memory[0][:2] == ["stage", "outcome"], memory[:2]
     assert [row[0] for row in memory[1:]] == list(STAGES)  # one rendered row per stage, in pipeline order
     assert all(row[1] == "completed" for row in memory[1:]), memory
 
-    report = _table_rows(_rendered(profile, f"{root}/artifacts/artifact/{artifacts['run-report']}", "steps"))
-    assert ["steps", "4"] in report, report  # the packed_sft table of the run report
 
-    shot = spec.run_dir() / "ui-flow-run.png"
-    _chromium(profile, f"{root}/runs/flow-run/{run.id}", f"--screenshot={shot}")
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+def test_run_form_renders_every_field(server, shots, tmp_path):
+    register = (
+        "import json, sys; from slimtune.flows import finetune; "
+        "print(finetune.to_deployment(name='form', parameters={'spec': json.loads(sys.argv[1])}).apply())"
+    )
+    params = {"name": "form", "model": {"name_or_path": "builtin:tiny-llama", "device": "cpu"}}
+    done = subprocess.run(
+        [sys.executable, "-c", register, json.dumps(params)],
+        env=server.env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    deployment_id = done.stdout.strip().splitlines()[-1]
+    url = f"{server.url.removesuffix('/api')}/deployments/deployment/{deployment_id}/run"
+    profile = tmp_path / "chromium"
+    dom = _rendered(profile, url, "Target Modules")
+    _screenshot(profile, url, shots / "run-form.png", 4000)
+    for label in ("Target Modules", "Max Steps", "Report To", "Gradient Checkpointing", "License"):
+        assert label in dom, f"{label} is not on the form"
+    assert "is a const" not in dom and "Property is type" not in dom
+    assert "builtin:tiny-llama, builtin:tiny-mistral" in dom  # help text with its names intact

@@ -1,9 +1,10 @@
-"""Text that ships next to the GGUF files: the Hub model card (README.md) and an Ollama Modelfile.
+"""Text that ships next to the weights: Hub model cards (GGUF repo and adapter) and an Ollama Modelfile.
 
-Both take plain values, not the pipeline spec, so they can be rendered and tested on their own. The
-Modelfile's TEMPLATE is written only when the model's chat template is recognised as ChatML by
-rendering it (through transformers' own renderer) and comparing with ChatML; a wrong template silently
-degrades every answer, so an unrecognised one gets a comment instead of a guess.
+Cards are built with huggingface_hub's ModelCard/ModelCardData, so their YAML is what the Hub parses
+(`base_model` only for a Hub id, which the Hub links and validates). Both take plain values, not the
+pipeline spec, so they can be rendered and tested on their own. The Modelfile's TEMPLATE is written only
+when the model's chat template is recognised (see `chat_formats`); a wrong template silently degrades
+every answer, so an unrecognised one gets a comment instead of a guess.
 """
 
 from __future__ import annotations
@@ -13,86 +14,115 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-import yaml
+from huggingface_hub import ModelCard, ModelCardData
+
+from slimtune import atomic
+from slimtune.export.chat_formats import FORMATS, recognise
 
 _HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _BASE_TAGS = ("gguf", "llama.cpp", "ollama", "lora", "qlora", "slimtune")
-
-# Ollama's Go template for ChatML: every message as <|im_start|>role\ncontent<|im_end|>\n, then the
-# assistant header that asks for the reply (what add_generation_prompt=True renders).
-_CHATML_OLLAMA = (
-    "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
-)
-_CHATML_END = "<|im_end|>"
-# A probe with a system turn, two user turns and one assistant turn covers every branch a ChatML template has.
-_PROBE = (
-    {"role": "system", "content": "SYS-0"},
-    {"role": "user", "content": "USER-1"},
-    {"role": "assistant", "content": "ASSISTANT-2"},
-    {"role": "user", "content": "USER-3"},
-)
+_ADAPTER_TAGS = ("lora", "qlora", "peft", "slimtune")
 _MODELFILE_DOCS = "https://github.com/ollama/ollama/blob/main/docs/modelfile.md#template"
+
+
+def is_hub_id(value: str) -> bool:
+    """A Hub repo id, not a local path that happens to contain one slash (nor builtin:tiny-*)."""
+    return bool(_HUB_ID_RE.fullmatch(value)) and not Path(value).exists()
+
+
+def base_license(model_dir: Path) -> str | None:
+    """The license in the base model's own card (README.md YAML), if it has one."""
+    readme = Path(model_dir) / "README.md"
+    if not readme.is_file():
+        return None
+    try:
+        return ModelCard.load(readme).data.license
+    except Exception:  # a README without (valid) YAML metadata: no license known
+        return None
+
+
+def _card(data: ModelCardData, body: list[str]) -> str:
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n" + "\n".join(body)))
+
+
+def _dataset_text(datasets: Sequence[str]) -> str:
+    """Hub ids as links; a local file by its name only (its absolute path means nothing to a reader)."""
+    if not datasets:
+        return "Not recorded."
+    return "\n".join(
+        f"- [`{d}`](https://huggingface.co/datasets/{d})" if is_hub_id(d) else f"- A local file, `{Path(d).name}`."
+        for d in datasets
+    )
+
+
+def _hub_datasets(datasets: Sequence[str]) -> list[str] | None:
+    return [d for d in datasets if is_hub_id(d)] or None
+
+
+def _base_text(base_model: str) -> str:
+    return f"[`{base_model}`](https://huggingface.co/{base_model})" if is_hub_id(base_model) else f"`{base_model}`"
 
 
 def render_model_card(
     *,
-    repo_id: str,
+    repo_id: str | None,
     base_model: str,
     quants: Sequence[Mapping[str, object]],
-    dataset: str | None = None,
+    datasets: Sequence[str] = (),
     lora: Mapping[str, object] | None = None,
     metrics: Mapping[str, object] | None = None,
     license_id: str | None = None,
     ollama_name: str | None = None,
     modelfile_name: str = "Modelfile",
     tags: Sequence[str] = (),
+    name: str | None = None,
 ) -> str:
-    """The README.md for a repo of GGUF files: YAML metadata, then what was trained and how to run it.
+    """The README.md for a folder (or Hub repo) of GGUF files: metadata, what was trained, how to run it.
 
     Args:
-        repo_id: "namespace/name" the card is pushed to (used in download commands).
+        repo_id: "namespace/name" the card is pushed to (the usage section downloads from it), or None
+            for files kept local (the usage section then runs them from the folder).
         base_model: Hub id or local path of the model that was fine-tuned; only a Hub id goes into the
             metadata, since the Hub links (and validates) `base_model`.
         quants: One mapping per GGUF file with keys "file", "method" (e.g. "q4_k_m") and "size_bytes";
             the first is the one the usage section recommends.
-        dataset: Hub id or path of the training data.
+        datasets: Hub ids or paths of the training data (a path appears by file name only).
         lora: LoRA settings to list (r, alpha, dropout, target modules, ...).
         metrics: Training results to list (final loss, tokens/s, peak memory, ...).
-        license_id: SPDX-like license id as the Hub knows it (e.g. "apache-2.0"), if known.
-        ollama_name: Model name in the Ollama commands; defaults to the repo name in lower case.
-        modelfile_name: Name of the Modelfile pushed next to the card.
+        license_id: license id as the Hub knows it (e.g. "apache-2.0"), if known.
+        ollama_name: Model name in the Ollama commands; defaults to the repo (or run) name in lower case.
+        modelfile_name: Name of the Modelfile next to the card.
         tags: Extra Hub tags.
+        name: Title when there is no repo_id (the run name).
     """
     rows = [_quant_row(q, i) for i, q in enumerate(quants)]
     if not rows:
         raise ValueError("quants is empty; pass at least one GGUF file ({'file', 'method', 'size_bytes'})")
-    name = repo_id.rsplit("/", 1)[-1]
-    ollama_name = ollama_name or name.lower()
-    metadata: dict[str, object] = {}
-    if _is_hub_id(base_model):
-        metadata["base_model"] = base_model
-    if dataset and _is_hub_id(dataset):
-        metadata["datasets"] = [dataset]
-    if license_id:
-        metadata["license"] = license_id
-    metadata["tags"] = list(dict.fromkeys([*_BASE_TAGS, *tags]))
-    front = yaml.safe_dump(metadata, sort_keys=False, allow_unicode=True)
+    title = repo_id.rsplit("/", 1)[-1] if repo_id else (name or "model")
+    ollama_name = ollama_name or title.lower()
+    data = ModelCardData(
+        base_model=base_model if is_hub_id(base_model) else None,
+        license=license_id,
+        library_name="gguf",
+        datasets=_hub_datasets(datasets),
+        tags=list(dict.fromkeys([*_BASE_TAGS, *tags])),
+        pipeline_tag="text-generation",
+    )
     recommended = rows[0][0]
-
-    lines = [
-        f"---\n{front}---",
+    fetch = [f"hf download {repo_id} {recommended} --local-dir ."] if repo_id else []
+    fetch_ollama = [f"hf download {repo_id} {recommended} {modelfile_name} --local-dir ."] if repo_id else []
+    body = [
+        f"# {title}",
         "",
-        f"# {name}",
-        "",
-        f"GGUF export of a QLoRA fine-tune of `{base_model}`, trained and converted with slimtune.",
+        f"GGUF export of a QLoRA fine-tune of {_base_text(base_model)}, trained and converted with slimtune.",
         "",
         "## Base model",
         "",
-        f"`{base_model}`" + (f" (https://huggingface.co/{base_model})" if _is_hub_id(base_model) else ""),
+        _base_text(base_model),
         "",
         "## Dataset",
         "",
-        f"`{dataset}`" if dataset else "Not recorded.",
+        _dataset_text(datasets),
         "",
         "## LoRA configuration",
         "",
@@ -111,20 +141,83 @@ def render_model_card(
         "### llama.cpp",
         "",
         "```sh",
-        f"hf download {repo_id} {recommended} --local-dir .",
+        *fetch,
         f"llama-cli -m {recommended}",
         "```",
         "",
         "### Ollama",
         "",
         "```sh",
-        f"hf download {repo_id} {recommended} {modelfile_name} --local-dir .",
+        *fetch_ollama,
         f"ollama create {ollama_name} -f {modelfile_name}",
         f"ollama run {ollama_name}",
         "```",
         "",
     ]
-    return "\n".join(lines)
+    return _card(data, body)
+
+
+def render_adapter_card(
+    *,
+    base_model: str,
+    datasets: Sequence[str] = (),
+    lora: Mapping[str, object] | None = None,
+    metrics: Mapping[str, object] | None = None,
+    license_id: str | None = None,
+    name: str = "adapter",
+    tags: Sequence[str] = (),
+) -> str:
+    """The README.md of the LoRA adapter folder (instead of peft's empty template): a peft card whose
+    `base_model` is the Hub id, so the Hub lists the adapter under its base."""
+    data = ModelCardData(
+        base_model=base_model if is_hub_id(base_model) else None,
+        license=license_id,
+        library_name="peft",
+        datasets=_hub_datasets(datasets),
+        tags=list(dict.fromkeys([*_ADAPTER_TAGS, *tags])),
+        pipeline_tag="text-generation",
+    )
+    load = base_model if is_hub_id(base_model) else "BASE_MODEL_DIR"
+    body = [
+        f"# {name} (LoRA adapter)",
+        "",
+        f"A QLoRA adapter for {_base_text(base_model)}, trained with slimtune.",
+        "",
+        "## Dataset",
+        "",
+        _dataset_text(datasets),
+        "",
+        "## LoRA configuration",
+        "",
+        *_table(("Setting", "Value"), (lora or {}).items()),
+        "",
+        "## Training metrics",
+        "",
+        *_table(("Metric", "Value"), (metrics or {}).items()),
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM",
+        "",
+        f'base = AutoModelForCausalLM.from_pretrained("{load}")',
+        'model = PeftModel.from_pretrained(base, "path/to/this/adapter")',
+        "```",
+        "",
+    ]
+    return _card(data, body)
+
+
+def write_adapter_card(adapter_dir: Path, *, base_model: str, **card: object) -> None:
+    """Replace peft's empty README in `adapter_dir` with `render_adapter_card(...)`, and name a Hub base by
+    its id in adapter_config.json (peft records the local snapshot path it loaded, useless elsewhere)."""
+    config_path = adapter_dir / "adapter_config.json"
+    if is_hub_id(base_model) and config_path.is_file():
+        config = json.loads(config_path.read_text())
+        config["base_model_name_or_path"] = base_model
+        atomic.write_json(config_path, config)
+    atomic.write_text(adapter_dir / "README.md", render_adapter_card(base_model=base_model, **card))  # type: ignore[arg-type]
 
 
 def render_modelfile(
@@ -148,19 +241,20 @@ def render_modelfile(
     """
     if not gguf_filename or "/" in gguf_filename or "\\" in gguf_filename:
         raise ValueError(f"gguf_filename {gguf_filename!r} must be a bare file name next to the Modelfile")
-    recognised, default_system = _match_chatml(chat_template, bos_token, eos_token)
+    fmt, default_system = recognise(chat_template, bos_token, eos_token)
     lines = [
         "# Ollama Modelfile generated by slimtune.",
         "# Build: ollama create NAME -f Modelfile",
         f"FROM ./{gguf_filename}",
         "",
     ]
-    if recognised:
-        lines += [f'TEMPLATE """{_CHATML_OLLAMA}"""', ""]
+    if fmt is not None:
+        lines += [f"# Chat format: {fmt.name}", f'TEMPLATE """{fmt.template_for(eos_token or "")}"""', ""]
     elif chat_template:
         lines += [
-            "# The chat template is not ChatML, so no TEMPLATE was derived; Ollama falls back to the",
-            f"# template it reads from the GGUF, if any. Write one by hand: {_MODELFILE_DOCS}",
+            f"# The chat template matches none of {', '.join(f.name for f in FORMATS)}, so no TEMPLATE was",
+            "# derived; Ollama falls back to the template it reads from the GGUF, if any. Write one by hand:",
+            f"# {_MODELFILE_DOCS}",
             "",
         ]
     else:
@@ -170,60 +264,10 @@ def render_modelfile(
         if '"""' in system:
             raise ValueError('system_prompt contains """, which a Modelfile cannot quote; remove it')
         lines += [f'SYSTEM """{system}"""', ""]
-    stops = [t for t in (eos_token, _CHATML_END if recognised else None) if t]
+    stops = fmt.stops_for(eos_token or "") if fmt is not None else [eos_token] if eos_token else []
     lines += [f"PARAMETER stop {_quote(t)}" for t in dict.fromkeys(stops)]
     lines += [f"PARAMETER {key} {_format_value(value)}" for key, value in (parameters or {}).items()]
     return "\n".join(lines) + "\n"
-
-
-def _match_chatml(chat_template: str | None, bos_token: str | None, eos_token: str | None) -> tuple[bool, str | None]:
-    """(whether the template renders ChatML, the system prompt it adds when the chat has none)."""
-    if not chat_template:
-        return False, None
-    full = _render(chat_template, list(_PROBE), bos_token, eos_token)
-    if full != _chatml(_PROBE):
-        return False, None
-    without_system = list(_PROBE[1:])
-    rendered = _render(chat_template, without_system, bos_token, eos_token)
-    if rendered == _chatml(without_system):
-        return True, None
-    # Qwen-style templates insert a default system turn: accept it if the rest is exactly ChatML.
-    head = "<|im_start|>system\n"
-    if rendered is not None and rendered.startswith(head):
-        default = rendered[len(head) :].split(_CHATML_END, 1)[0]
-        if rendered == _chatml([{"role": "system", "content": default}, *without_system]):
-            return True, default
-    return False, None
-
-
-def _render(
-    chat_template: str, messages: list[dict[str, str]], bos_token: str | None, eos_token: str | None
-) -> str | None:
-    """Render with transformers' renderer (what the tokenizer uses); None if the template rejects the chat."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    try:
-        rendered, _ = render_jinja_template(
-            [messages],
-            chat_template=chat_template,
-            add_generation_prompt=True,
-            bos_token=bos_token or "",
-            eos_token=eos_token or "",
-        )
-    except Exception:
-        return None
-    text = rendered[0]
-    return text[len(bos_token) :] if bos_token and text.startswith(bos_token) else text
-
-
-def _chatml(messages: Sequence[Mapping[str, str]]) -> str:
-    body = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return body + "<|im_start|>assistant\n"
-
-
-def _is_hub_id(value: str) -> bool:
-    """A Hub repo id, not a local path that happens to contain one slash."""
-    return bool(_HUB_ID_RE.fullmatch(value)) and not Path(value).exists()
 
 
 def _quant_row(quant: Mapping[str, object], index: int) -> tuple[str, str, str, str]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from prefect import flow
 from prefect.runtime import flow_run
 
 from slimtune import atomic, registry
+from slimtune.charts import publish_memory_chart
 from slimtune.evaluate import held_out_metrics
 from slimtune.flows.crash import crash_downshift
 from slimtune.flows.stages import (
@@ -48,7 +51,6 @@ def _flow_run_name() -> str:
 def finetune(spec: PipelineSpec) -> dict:
     """Fine-tune `spec.model` with QLoRA on `spec.data`, merge, and export GGUF; returns the run summary."""
     spec = recheck_paths(spec)
-    atomic.write_text(spec.run_dir() / "spec.effective.yaml", effective_yaml(spec))  # what ran, re-runnable
     model_dir = local_model_dir(spec.model)
     check_model_dir(spec.model, model_dir)
     examples = prepare_data(spec, str(model_dir))  # bad data fails here, before any model is loaded
@@ -60,6 +62,7 @@ def finetune(spec: PipelineSpec) -> dict:
     )
     try:
         with run_lock(spec.run_dir()), gpu_concurrency(gpu_slot()):  # one run per run dir, then the GPU
+            atomic.write_text(spec.run_dir() / "spec.effective.yaml", effective_yaml(spec))  # what ran
             summary["load_4bit"] = loaded = load(spec)
             summary["attach_lora"] = lora = attach(spec, loaded["handle"])
             summary["packed_sft"] = trained = train(spec, lora["handle"], lora["checkpointing_handle"], examples)
@@ -75,7 +78,10 @@ def finetune(spec: PipelineSpec) -> dict:
                     )
     finally:
         registry.release_all()  # also on failure: a failed run must not pin a model in this process
-        publish_memory_report(load_records(spec.run_dir() / "memory"))
+        records = load_records(spec.run_dir() / "memory")
+        publish_memory_report(records)
+        publish_memory_chart(records)
+    summary["memory"] = [asdict(r) for r in records]
     summary["report"] = str(write_run_report(spec.run_dir(), summary))
     return summary
 

@@ -18,6 +18,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from slimtune import atomic
+from slimtune.charts import publish_memory_chart
 from slimtune.device import resolve_compute_dtype, resolve_device
 from slimtune.kernels.apply import expected_kernels
 from slimtune.memory import (
@@ -63,6 +64,7 @@ def _save_record(spec: PipelineSpec):
     def save(record: GuardRecord) -> None:
         publish_task_report(record)
         atomic.write_json(spec.run_dir() / "memory" / f"{record.stage}.json", asdict(record))
+        publish_memory_chart(load_records(spec.run_dir() / "memory"))  # the chart grows stage by stage
 
     return save
 

@@ -50,7 +50,8 @@ def render_markdown(records: list[GuardRecord]) -> str:
     if not records:
         return "\n".join([*lines, "No guarded stages ran."])
     rows = [record_row(r) for r in records]
-    columns = [c for c in rows[0] if c != "downshifts"]
+    # A column that reads n/a in every row (every GPU figure on a CPU run) only pushes the real ones off-screen.
+    columns = [c for c in rows[0] if c != "downshifts" and any(row[c] != "n/a" for row in rows)]
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     lines.extend("| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows)

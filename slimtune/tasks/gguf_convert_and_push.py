@@ -21,6 +21,7 @@ from slimtune.export import (
     verify_gguf,
 )
 from slimtune.export.gguf_adapter import ADAPTER_GGUF_SUFFIX, convert_adapter_to_gguf, verify_adapter_gguf
+from slimtune.export.model_card import base_license
 from slimtune.model_source import local_model_dir, read_config
 from slimtune.spec import PipelineSpec
 
@@ -67,6 +68,14 @@ def _convert(spec: PipelineSpec, merged_dir: Path, out_dir: Path) -> list[Path]:
     return written
 
 
+LORA_FACTS = ("r", "alpha", "dropout", "target_modules", "use_rslora")
+
+
+def card_license(spec: PipelineSpec) -> str | None:
+    """The license for the cards: the base model's own when its card names one, else export.license."""
+    return base_license(local_model_dir(spec.model)) or spec.export.license
+
+
 def _card(spec: PipelineSpec, merged_dir: Path, files: list[Path], summary: dict) -> tuple[str, str]:
     tok_cfg = (
         json.loads((merged_dir / "tokenizer_config.json").read_text())
@@ -77,17 +86,23 @@ def _card(spec: PipelineSpec, merged_dir: Path, files: list[Path], summary: dict
     if template is None and (merged_dir / "chat_template.jinja").exists():
         template = (merged_dir / "chat_template.jinja").read_text()
     quants = [{"file": f.name, "method": f.stem.rsplit("-", 1)[-1], "size_bytes": f.stat().st_size} for f in files]
-    lora = {k: summary["spec"]["lora"][k] for k in ("r", "alpha", "dropout", "target_modules", "use_rslora")}
     card = render_model_card(
-        repo_id=spec.export.push.repo_id if spec.export.push else f"local/{spec.name}",
+        repo_id=spec.export.push.repo_id if spec.export.push else None,
+        name=spec.name,
         base_model=spec.model.name_or_path,
         quants=quants,
-        dataset=", ".join(s.path for s in spec.data.sources) if spec.data.sources else spec.data.path,
-        lora=lora,
+        datasets=spec.data.files(),
+        lora={k: summary["spec"]["lora"][k] for k in LORA_FACTS},
         metrics=summary.get("train"),
+        license_id=card_license(spec),
     )
-    eos = tok_cfg.get("eos_token")
-    modelfile = render_modelfile(files[0].name, template, eos_token=eos if isinstance(eos, str) else None)
+    eos, bos = tok_cfg.get("eos_token"), tok_cfg.get("bos_token")
+    modelfile = render_modelfile(
+        files[0].name,
+        template,
+        eos_token=eos if isinstance(eos, str) else None,
+        bos_token=bos if isinstance(bos, str) else None,
+    )
     return card, modelfile
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
 from slimtune import registry
+from slimtune.export.model_card import write_adapter_card
 from slimtune.memory.checkpointing import enable_checkpointing
 from slimtune.spec import PipelineSpec
 from slimtune.train import TrainReport, train_adapter
@@ -58,7 +60,7 @@ def packed_sft(
             if name in initial:
                 param.copy_(initial[name])
     tokenizer, examples = registry.get(examples_handle)
-    return train_adapter(
+    report = train_adapter(
         model,
         tokenizer,
         examples,
@@ -67,4 +69,26 @@ def packed_sft(
         spec.run_dir(),
         micro_batch_size=micro_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps,
+    )
+    describe_adapter(spec, report)
+    return report
+
+
+def describe_adapter(spec: PipelineSpec, report: TrainReport) -> None:
+    """The adapter's own model card, and its base named by Hub id rather than the local cache path peft saw."""
+    from slimtune.tasks.gguf_convert_and_push import LORA_FACTS, card_license
+
+    write_adapter_card(
+        Path(report.adapter_dir),
+        base_model=spec.model.name_or_path,
+        datasets=spec.data.files(),
+        lora={k: getattr(spec.lora, k) for k in LORA_FACTS},
+        metrics={
+            "steps": report.steps,
+            "eval_loss_before": report.eval_loss_before,
+            "eval_loss_after": report.eval_loss_after,
+            "tokens_seen": report.tokens_seen,
+        },
+        license_id=card_license(spec),
+        name=spec.name,
     )

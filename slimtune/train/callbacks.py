@@ -1,29 +1,53 @@
-"""Trainer callbacks: a per-step log line and a Prefect progress artifact.
+"""Trainer callbacks: a per-step log line, a Prefect progress artifact and a live loss curve.
 
-The terminal progress bar is the Trainer's own (tqdm); these add what it lacks: tokens, tokens/s and
-padding waste in the log, and progress in the Prefect UI.
+The terminal progress bar is the Trainer's own (tqdm); these add what it lacks: loss, learning rate,
+tokens/s, padding waste and memory in the log (through Prefect's run logger inside a task, so the line
+reaches the UI, the worker output and the CLI), and progress with ETA and a loss curve in the Prefect UI.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 
+import psutil
+import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from slimtune.charts import loss_curve_png, publish_image
+
 log = logging.getLogger("slimtune.train")
+_GIB = 1024**3
+
+
+def run_logger() -> logging.Logger | logging.LoggerAdapter:
+    """Prefect's run logger inside a flow or task run (its lines go to the API and the console), else ours."""
+    if not _in_prefect_run():
+        return log
+    from prefect.logging import get_run_logger
+
+    return get_run_logger()
+
+
+def memory_text() -> str:
+    """Current host RSS and, on a GPU, the allocator's peak since the last reset, for the step log line."""
+    text = f"host RSS {psutil.Process().memory_info().rss / _GIB:.2f} GiB"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        text += f" GPU peak {torch.cuda.max_memory_allocated() / _GIB:.2f} GiB"
+    return text
 
 
 class LogCallback(TrainerCallback):
-    """One log line per logging step: loss, lr, tokens seen, tokens/s and padding waste."""
+    """One log line per logging step: loss, lr, tokens seen, tokens/s, padding waste and memory."""
 
     def on_log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict | None = None, **kwargs
     ) -> None:
         logs = logs or {}
         if "loss" in logs:
-            log.info(
-                "step %d/%d loss %.4f lr %.3g tokens %d tok/s %.0f padding waste %.1f%%",
+            run_logger().info(
+                "step %d/%d loss %.4f lr %.3g tokens %d tok/s %.0f padding waste %.1f%% %s",
                 state.global_step,
                 state.max_steps,
                 logs["loss"],
@@ -31,50 +55,133 @@ class LogCallback(TrainerCallback):
                 logs.get("tokens", 0),
                 logs.get("tokens_per_s", 0.0),
                 100 * logs.get("padding_waste", 0.0),
+                memory_text(),
             )
         elif "eval_loss" in logs:
-            log.info("step %d/%d eval loss %.4f", state.global_step, state.max_steps, logs["eval_loss"])
+            run_logger().info("step %d/%d eval loss %.4f", state.global_step, state.max_steps, logs["eval_loss"])
 
 
 class PrefectProgressCallback(TrainerCallback):
-    """Shows training progress as a Prefect progress artifact; does nothing outside a Prefect run.
+    """Progress (step, ETA, loss, tokens/s) and a loss curve in the Prefect UI; does nothing outside a run.
 
     Args:
-        key: artifact key (lowercase letters, digits and dashes); None = an unkeyed artifact.
-        updates: at most this many updates over the run (each is an API call; 100 = every 1%).
+        key: progress artifact key (made lowercase letters, digits and dashes); None = unkeyed.
+        curve_key: loss-curve artifact key, likewise; None = unkeyed.
+        updates: at most this many progress updates over the run (each is an API call; 100 = every 1%).
+        chart_every_s: re-draw the loss curve at most this often: each re-draw stores a new artifact version
+            of ~23 KB (measured for 24 and 2,000 steps), so 30 s keeps a 10-hour run to ~1,200 versions, 28 MB.
     """
 
-    def __init__(self, key: str | None = None, updates: int = 100):
-        self.key = re.sub(r"[^a-z0-9-]+", "-", key.lower()).strip("-") if key else None
+    def __init__(
+        self, key: str | None = None, updates: int = 100, chart_every_s: float = 30.0, curve_key: str | None = None
+    ):
+        self.key = _artifact_key(key)
+        self.curve_key = _artifact_key(curve_key)
         self.updates = updates
+        self.chart_every_s = chart_every_s
         self.artifact_id = None
         self._last = -1.0
+        self._began: float | None = None
+        self._first_step = 0
+        self._loss: float | None = None
+        self._tokens_per_s: float | None = None
+        self._train: list[tuple[int, float]] = []
+        self._eval: list[tuple[int, float]] = []
+        self._charted = 0.0
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if not _in_prefect_run():
             return
         from prefect.artifacts import create_progress_artifact
 
+        self._began = None  # set at the first step's end: the eval before training is not a step's time
+        self._first_step = state.global_step  # a resumed run's ETA counts only the steps it trains
+        self._train = [(e["step"], e["loss"]) for e in state.log_history if "loss" in e]
+        self._eval = [(e["step"], e["eval_loss"]) for e in state.log_history if "eval_loss" in e]
         self._last = self._percent(state)
-        self.artifact_id = create_progress_artifact(progress=self._last, key=self.key, description=_describe(state))
+        self.artifact_id = create_progress_artifact(
+            progress=self._last, key=self.key, description=self.describe(state, time.perf_counter())
+        )
+
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict | None = None, **kwargs
+    ) -> None:
+        logs = logs or {}
+        if "loss" in logs:
+            self._loss, self._tokens_per_s = logs["loss"], logs.get("tokens_per_s")
+            self._train.append((state.global_step, logs["loss"]))
+        if "eval_loss" in logs:
+            self._eval.append((state.global_step, logs["eval_loss"]))
+        if self.artifact_id is None:
+            return
+        self._update(state)  # the step's figures are known only now (Trainer logs after on_step_end)
+        # Evals are rare and the final one comes after on_train_end: each re-draws the curve at once.
+        if "eval_loss" in logs or time.perf_counter() - self._charted >= self.chart_every_s:
+            self.publish_curve()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if self.artifact_id is None:
             return
+        if self._began is None:
+            self._began, self._first_step = time.perf_counter(), state.global_step
         pct = self._percent(state)
         if pct - self._last >= 100 / self.updates or state.global_step >= state.max_steps:
-            from prefect.artifacts import update_progress_artifact
+            self._update(state)
 
-            self._last = pct
-            update_progress_artifact(self.artifact_id, progress=pct, description=_describe(state))
+    def _update(self, state: TrainerState) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        self._last = self._percent(state)
+        update_progress_artifact(
+            self.artifact_id, progress=self._last, description=self.describe(state, time.perf_counter())
+        )
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        if self.artifact_id is not None:
+            self.publish_curve()
+
+    def publish_curve(self) -> None:
+        """Re-draw the loss curve (train and eval so far) as the run's loss-curve artifact."""
+        if not self._train and not self._eval:
+            return
+        self._charted = time.perf_counter()
+        try:
+            png = loss_curve_png(self._train, self._eval)
+        except Exception as e:  # a broken plotting install must not stop training
+            log.warning("could not draw the loss curve: %s", e)
+            return
+        publish_image(self.curve_key, "Loss curve", png, "Train and eval loss per optimizer step")
+
+    def describe(self, state: TrainerState, now: float) -> str:
+        """'training: step 15/30 · ETA 1m 20s · loss 2.3140 · 4,210 tok/s' (what is known so far)."""
+        parts = [f"training: step {state.global_step}/{state.max_steps}"]
+        done = state.global_step - self._first_step
+        if self._began is not None and done > 0:
+            left = (now - self._began) / done * (state.max_steps - state.global_step)
+            parts.append(f"ETA {_duration(left)}")
+        if self._loss is not None:
+            parts.append(f"loss {self._loss:.4f}")
+        if self._tokens_per_s:
+            parts.append(f"{self._tokens_per_s:,.0f} tok/s")
+        return " · ".join(parts)
 
     @staticmethod
     def _percent(state: TrainerState) -> float:
         return 100.0 * state.global_step / max(1, state.max_steps)
 
 
-def _describe(state: TrainerState) -> str:
-    return f"training: step {state.global_step}/{state.max_steps}"
+def _artifact_key(name: str | None) -> str | None:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") if name else None
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h {seconds % 3600 // 60}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m {seconds % 60}s"
+    return f"{seconds}s"
 
 
 def _in_prefect_run() -> bool:

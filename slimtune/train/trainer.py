@@ -13,26 +13,32 @@ whole accumulation window (`num_items_in_batch`), not per micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from array import array
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import MISSING, asdict, dataclass, field
+from datetime import UTC
 from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
+from transformers.integrations import MLflowCallback
 from transformers.trainer import TRAINER_STATE_NAME
 
 from slimtune import atomic
+from slimtune.charts import LOSS_CURVE_KEY
 from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
 from slimtune.evaluate import perplexity
 from slimtune.spec import DataSpec, TrainSpec
 from slimtune.train import checkpoints
-from slimtune.train.callbacks import LogCallback, PrefectProgressCallback
+from slimtune.train.callbacks import LogCallback, PrefectProgressCallback, run_logger
 from slimtune.train.options import choose_batching, model_device, resolve_optimizer, resolve_precision, scheduler_name
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,7 @@ _OPERATIONAL = {
     "save_total_limit",
     "kernels",
     "num_gpus",
+    "report_to",
 }
 
 
@@ -80,6 +87,9 @@ class TrainReport:
     data: dict = field(default_factory=dict)
     perplexity_before: float | None = None  # exp(eval loss): the held-out figure people compare across runs
     perplexity_after: float | None = None
+    run_id: str | None = None  # the Prefect flow run that trained (None outside Prefect)
+    finished_at: str | None = None  # UTC, ISO 8601
+    reused_from: str | None = None  # run_id (or finished_at) of the run whose results a 0-step re-run reuses
 
 
 class _Meter:
@@ -229,8 +239,19 @@ def train_adapter(
     effective_batch = micro_batch_size * gradient_accumulation_steps * args.world_size
     settings = _settings(train, data, effective_batch, batching.mode, model)
     fingerprint = _fingerprint(examples, settings)
+    previous = _read_report(run_dir)
     with args.main_process_first(desc="checkpoint discovery"):  # rank 0 alone removes or moves old ones
         resume_from, eval_before, not_resumed = _find_resume(ckpt_root, fingerprint, train.resume, settings)
+    if not not_resumed and _nothing_left(resume_from, previous, run_dir):
+        # A same-name re-run of a finished spec: training is complete, so the results are the earlier run's.
+        report = TrainReport(**previous)
+        report.reused_from = previous.get("reused_from") or previous.get("run_id") or previous.get("finished_at")
+        report.resumed_from, report.seconds = str(resume_from), time.perf_counter() - start
+        report.run_id, report.finished_at = _run_identity()
+        if args.process_index == 0:
+            atomic.write_json(run_dir / REPORT_FILE, asdict(report))
+        run_logger().info("nothing left to train: reusing the adapter and results of run %s", report.reused_from)
+        return report
     seconds_before = checkpoints.read_state(resume_from).get("train_seconds", 0.0) if resume_from else 0.0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     collator = RowCollator(
@@ -239,41 +260,50 @@ def train_adapter(
         flash_varlen=batching.flash_varlen,
         pad_to_multiple_of=8 if device.type == "cuda" else None,
     )
-    trainer = _SlimTrainer(
-        model=model,
-        args=args,
-        train_dataset=RowDataset(train_rows),
-        eval_dataset=RowDataset(eval_rows) if eval_rows else None,
-        data_collator=collator,
-        callbacks=[LogCallback(), PrefectProgressCallback(key=f"{run_dir.name}-training"), *(callbacks or [])],
-        checkpoint_state={
-            "fingerprint": fingerprint,
-            "settings": settings,
-            "eval_loss_before": None,
-            "micro_batch_size": micro_batch_size,
-            "gradient_accumulation_steps": gradient_accumulation_steps,
-        },
-    )
-    # The eval before training runs inside train() (eval_on_start), after DDP has wrapped the model: an
-    # evaluate() before train() marks the model prepared, and accelerate then skips the DDP wrap (ranks
-    # silently diverge: verified with 2 gloo ranks, transformers 5.23 + accelerate).
-    trainer.args.eval_on_start = resume_from is None and bool(eval_rows)
-    trainer.add_callback(_EvalBefore(trainer))
-    began = trainer.began = time.perf_counter()
-    trainer.seconds_before = seconds_before
-    if resume_from is not None and _finished(resume_from):
-        _restore_finished(trainer, model, resume_from)
-    else:
-        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    # Trainer reads the trackers' settings when it is built (TensorBoard) and when training starts (MLflow).
+    with _offline_trackers(train.report_to, run_dir):
+        trainer = _SlimTrainer(
+            model=model,
+            args=args,
+            train_dataset=RowDataset(train_rows),
+            eval_dataset=RowDataset(eval_rows) if eval_rows else None,
+            data_collator=collator,
+            callbacks=[
+                LogCallback(),
+                PrefectProgressCallback(key=f"{run_dir.name}-training", curve_key=f"{run_dir.name}-{LOSS_CURVE_KEY}"),
+                *(callbacks or []),
+            ],
+            checkpoint_state={
+                "fingerprint": fingerprint,
+                "settings": settings,
+                "eval_loss_before": None,
+                "micro_batch_size": micro_batch_size,
+                "gradient_accumulation_steps": gradient_accumulation_steps,
+            },
+        )
+        # The eval before training runs inside train() (eval_on_start), after DDP has wrapped the model: an
+        # evaluate() before train() marks the model prepared, and accelerate then skips the DDP wrap (ranks
+        # silently diverge: verified with 2 gloo ranks, transformers 5.23 + accelerate).
+        trainer.args.eval_on_start = resume_from is None and bool(eval_rows)
+        trainer.add_callback(_EvalBefore(trainer))
+        began = trainer.began = time.perf_counter()
+        trainer.seconds_before = seconds_before
+        if resume_from is not None and _finished(resume_from):
+            _restore_finished(trainer, model, resume_from)
+        else:
+            trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        train_seconds = time.perf_counter() - began
+        # MLflow's run ended with training: a later log would start a second, implicit run, and end it
+        # (at exit) in ./mlflow.db of the working directory (seen).
+        trainer.remove_callback(MLflowCallback)
+        eval_after = trainer.evaluate()["eval_loss"] if eval_rows else None
     eval_before = trainer.checkpoint_state["eval_loss_before"] if eval_before is None else eval_before
-    train_seconds = time.perf_counter() - began
     training_seconds = trainer.training_seconds()
     last = checkpoints.latest_checkpoint(ckpt_root)
     last_state = checkpoints.read_state(last) if last is not None else {}
     if last_state.get("step") == trainer.state.global_step and "train_seconds" in last_state:
         # training ended on a checkpoint: report its time, so a re-run that resumes it reports the same
         training_seconds = last_state["train_seconds"]
-    eval_after = trainer.evaluate()["eval_loss"] if eval_rows else None
 
     adapter_dir = run_dir / "adapter"
     if trainer.is_world_process_zero():  # under DDP rank 0 alone writes the adapter and the report
@@ -307,11 +337,67 @@ def train_adapter(
         perplexity_before=perplexity(eval_before),
         perplexity_after=perplexity(eval_after),
     )
+    report.run_id, report.finished_at = _run_identity()
     if trainer.is_world_process_zero():
         atomic.write_json(run_dir / REPORT_FILE, asdict(report))
     trainer.accelerator.wait_for_everyone()  # no rank returns before the adapter exists
     log.info("trained %d steps in %.1f s: eval loss %s -> %s", report.steps, report.seconds, eval_before, eval_after)
     return report
+
+
+@contextlib.contextmanager
+def _offline_trackers(report_to: list[str], run_dir: Path) -> Iterator[None]:
+    """Point the trackers Trainer reports to at the run directory, offline, unless the user's environment
+    already configures them; restored afterwards. Trainer's integrations read only these variables:
+    TensorBoard its `TENSORBOARD_LOGGING_DIR`, MLflow `MLFLOW_TRACKING_URI` (else ./mlruns in the cwd),
+    W&B `WANDB_MODE`/`WANDB_DIR`."""
+    wanted = {
+        "tensorboard": {"TENSORBOARD_LOGGING_DIR": str(run_dir / "tensorboard")},
+        # MLflow 3 refuses its file store by default (maintenance mode); SQLite is its local store now.
+        "mlflow": {"MLFLOW_TRACKING_URI": f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"},
+        "wandb": {"WANDB_MODE": "offline", "WANDB_DIR": str(run_dir)},
+    }
+    added = {k: v for name in report_to for k, v in wanted[name].items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def _read_report(run_dir: Path) -> dict:
+    """The train report an earlier run left in `run_dir` (fields this version does not know are dropped)."""
+    try:
+        raw = json.loads((run_dir / REPORT_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    fields = TrainReport.__dataclass_fields__
+    required = {k for k, f in fields.items() if f.default is MISSING and f.default_factory is MISSING}
+    return {k: v for k, v in raw.items() if k in fields} if required <= set(raw) else {}
+
+
+def _nothing_left(resume_from: Path | None, previous: dict, run_dir: Path) -> bool:
+    """Whether the checkpoint to resume from is the end of training and the earlier run's adapter is there."""
+    if resume_from is None or not previous or not (run_dir / "adapter" / "adapter_config.json").is_file():
+        return False
+    try:
+        state = json.loads((resume_from / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    step = state.get("global_step", -1)
+    return step >= state.get("max_steps", 0) > 0 and previous.get("steps") == step
+
+
+def _run_identity() -> tuple[str | None, str]:
+    """(the Prefect flow run id, or None outside Prefect; the UTC time now)."""
+    from datetime import datetime
+
+    from prefect.runtime import flow_run
+
+    return flow_run.id, datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _rows(examples: Examples, data: DataSpec, mode: str) -> tuple[list, list]:
@@ -387,7 +473,8 @@ def _arguments(
         # activation_checkpointing stays at its default (off): the model's own setting (configured by
         # attach_lora, possibly the offloaded variant) must not be replaced by Trainer's.
         use_cpu=device.type == "cpu",
-        report_to="none",
+        report_to=list(train.report_to) or "none",
+        run_name=output_dir.parent.name,
         ddp_find_unused_parameters=False,  # every LoRA weight is used every step
         remove_unused_columns=False,
         label_names=["labels"],

@@ -1,0 +1,260 @@
+"""Model cards parse as Hub cards and carry their fields; Modelfile TEMPLATEs reproduce five chat formats."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+
+from slimtune.export.chat_formats import FORMATS
+from slimtune.export.model_card import base_license, render_adapter_card, render_model_card, render_modelfile
+from slimtune.tiny import CHAT_TEMPLATE
+
+# The families' Hugging Face chat templates as their tokenizer_config.json ships them (Meta-Llama-3-8B-Instruct,
+# gemma-2-2b-it, Mistral-7B-Instruct-v0.2, Phi-3-mini-4k-instruct; ChatML is the tiny models' own).
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim"
+    " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+PHI3 = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\\n' + message['content'] + "
+    "'<|end|>\\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+# name -> (template, bos, eos, turn-end stop)
+FAMILIES = {
+    "ChatML": (CHAT_TEMPLATE, None, "<|endoftext|>", "<|im_end|>"),
+    "Llama-3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>"),
+    "Gemma": (GEMMA, "<bos>", "<eos>", "<end_of_turn>"),
+    "Mistral": (MISTRAL, "<s>", "</s>", "[INST]"),
+    "Phi-3": (PHI3, None, "<|endoftext|>", "<|end|>"),
+}
+SYSTEM = {"role": "system", "content": "Answer in one word."}
+CHATS = [
+    [{"role": "user", "content": "Name a colour."}],
+    [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Teal."},
+        {"role": "user", "content": "Another one?\nPlease."},
+    ],
+]
+
+
+# ------------------------------------------------------------------ a tiny evaluator of Ollama's Go templates
+
+
+def _tokens(template: str) -> list[tuple[str, str]]:
+    parts = re.split(r"(\{\{-?\s*.*?\s*-?\}\})", template)
+    for i, part in enumerate(parts):  # {{- trims the text before, -}} the text after
+        if part.startswith("{{-") and i > 0:
+            parts[i - 1] = parts[i - 1].rstrip()
+        if part.endswith("-}}") and i + 1 < len(parts):
+            parts[i + 1] = parts[i + 1].lstrip()
+    out = []
+    for part in parts:
+        action = re.fullmatch(r"\{\{-?\s*(.*?)\s*-?\}\}", part)
+        out.append(("action", action.group(1)) if action else ("text", part))
+    return out
+
+
+def _parse(tokens: list[tuple[str, str]], i: int = 0) -> tuple[list, int, str | None]:
+    """Nodes up to an `end`/`else...` action: text, fields, `range .Messages`, `if eq .Role "x"` chains."""
+    nodes: list = []
+    while i < len(tokens):
+        kind, value = tokens[i]
+        if kind == "text":
+            nodes.append(("text", value))
+        elif value == "end" or value.startswith("else"):
+            return nodes, i, value
+        elif value == "range .Messages":
+            body, i, term = _parse(tokens, i + 1)
+            assert term == "end", "range without end"
+            nodes.append(("range", body))
+        elif value.startswith("if "):
+            branches, cond = [], value[3:]
+            while True:
+                body, i, term = _parse(tokens, i + 1)
+                branches.append((cond, body))
+                if term == "end":
+                    break
+                cond = term.removeprefix("else").strip().removeprefix("if ").strip() or None
+            nodes.append(("if", branches))
+        elif value in (".Role", ".Content"):
+            nodes.append(("field", value[1:].lower()))
+        else:
+            raise AssertionError(f"unsupported Go template action {{{{ {value} }}}}")
+        i += 1
+    return nodes, i, None
+
+
+def _eval(nodes: list, messages: list[dict], message: dict | None = None) -> str:
+    out = []
+    for node in nodes:
+        if node[0] == "text":
+            out.append(node[1])
+        elif node[0] == "field":
+            out.append(message[node[1]])
+        elif node[0] == "range":
+            out += [_eval(node[1], messages, m) for m in messages]
+        else:
+            for cond, body in node[1]:
+                if cond is None or _true(cond, message):
+                    out.append(_eval(body, messages, message))
+                    break
+    return "".join(out)
+
+
+def _true(cond: str, message: dict) -> bool:
+    match = re.fullmatch(r'eq \.Role "(\w+)"', cond)
+    assert match, f"unsupported condition {cond}"
+    return message["role"] == match.group(1)
+
+
+def render_go(template: str, messages: list[dict]) -> str:
+    nodes, _, term = _parse(_tokens(template))
+    assert term is None, f"unbalanced {term}"
+    return _eval(nodes, messages)
+
+
+def _hf(template: str, chat: list[dict], bos: str | None, eos: str) -> str:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"x": 0}, unk_token="x")),
+        chat_template=template,
+        eos_token=eos,
+        **({"bos_token": bos} if bos else {}),
+    )
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    return text.removeprefix(bos) if bos else text  # llama.cpp adds BOS itself
+
+
+def test_go_evaluator_understands_what_it_is_given():
+    assert render_go('{{ range .Messages }}{{ if eq .Role "user" }}U{{ else }}A{{ end }}{{ end }}', CHATS[1]) == "UAU"
+    with pytest.raises(AssertionError, match="unsupported"):
+        render_go("{{ .System }}", CHATS[0])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_modelfile_template_renders_chats_like_the_hf_template(family):
+    template, bos, eos, stop = FAMILIES[family]
+    text = render_modelfile("m.gguf", template, eos_token=eos, bos_token=bos)
+    assert f"# Chat format: {family}" in text
+    go = re.search(r'TEMPLATE """(.*?)"""', text, re.S).group(1)
+    (fmt,) = [f for f in FORMATS if f.name == family]
+    chats = [*CHATS, *([[SYSTEM, *c] for c in CHATS] if fmt.system else [])]
+    for chat in chats:
+        expected = _hf(template, chat, bos, eos)
+        assert render_go(go, chat) == expected, chat
+    stops = re.findall(r"^PARAMETER stop (.*)$", text, re.M)
+    assert json.dumps(stop) in stops and json.dumps(eos) in stops
+
+
+def test_a_template_of_another_format_is_not_given_a_wrong_template():
+    # Llama-3.1 writes a knowledge-cutoff header into the system turn: not the Llama-3 format.
+    llama31 = LLAMA3.replace(
+        "message['content'] | trim",
+        "('Cutting Knowledge Date: December 2023\\n\\n' if "
+        "message['role'] == 'system' else '') + message['content'] | trim",
+    )
+    text = render_modelfile("m.gguf", llama31, eos_token="<|eot_id|>", bos_token="<|begin_of_text|>")
+    assert "TEMPLATE" not in text.replace("no TEMPLATE", "") and "matches none of" in text
+    assert 'PARAMETER stop "<|eot_id|>"' in text
+
+
+# ------------------------------------------------------------------ model cards
+
+
+def _load(tmp_path: Path, text: str) -> ModelCard:
+    path = tmp_path / "README.md"
+    path.write_text(text, encoding="utf-8")
+    return ModelCard.load(path)
+
+
+def test_gguf_card_is_a_hub_card_with_its_fields(tmp_path):
+    data_file = tmp_path / "secret-place" / "chats.jsonl"
+    data_file.parent.mkdir()
+    data_file.write_text("{}\n")
+    card = _load(
+        tmp_path,
+        render_model_card(
+            repo_id=None,
+            name="my-run",
+            base_model="Qwen/Qwen2.5-0.5B",
+            quants=[{"file": "my-run-q8_0.gguf", "method": "q8_0", "size_bytes": 2**20}],
+            datasets=[str(data_file)],
+            lora={"r": 8},
+            metrics={"eval_loss_after": 1.5},
+            license_id="apache-2.0",
+        ),
+    )
+    assert card.data.base_model == "Qwen/Qwen2.5-0.5B" and card.data.license == "apache-2.0"
+    assert card.data.library_name == "gguf" and "gguf" in card.data.tags
+    assert card.data.datasets is None  # a local file is not a Hub dataset
+    assert str(data_file.parent) not in card.text and "`chats.jsonl`" in card.text
+    assert "hf download" not in card.text and "llama-cli -m my-run-q8_0.gguf" in card.text
+    assert "| eval_loss_after | 1.5 |" in card.text
+
+    hub = _load(
+        tmp_path,
+        render_model_card(
+            repo_id="someone/x",
+            base_model="builtin:tiny-llama",
+            quants=[{"file": "x.gguf", "method": "f16", "size_bytes": 1}],
+            datasets=["someone/chats"],
+        ),
+    )
+    assert hub.data.base_model is None and hub.data.datasets == ["someone/chats"]
+    assert "hf download someone/x x.gguf" in hub.text
+
+
+def test_adapter_card_is_a_peft_card(tmp_path):
+    card = _load(
+        tmp_path,
+        render_adapter_card(base_model="meta-llama/Llama-3.2-1B", datasets=["org/data"], lora={"r": 16}, name="run"),
+    )
+    assert card.data.library_name == "peft" and card.data.base_model == "meta-llama/Llama-3.2-1B"
+    assert card.data.datasets == ["org/data"] and "lora" in card.data.tags
+    assert 'AutoModelForCausalLM.from_pretrained("meta-llama/Llama-3.2-1B")' in card.text
+
+
+def test_license_comes_from_the_base_models_card(tmp_path):
+    assert base_license(tmp_path) is None
+    (tmp_path / "README.md").write_text("---\nlicense: llama3.2\n---\n# base\n")
+    assert base_license(tmp_path) == "llama3.2"
+
+
+def test_adapter_folder_gets_its_card_and_the_hub_id_of_its_base(tmp_path):
+    from slimtune.export.model_card import write_adapter_card
+
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": "/root/.cache/huggingface/hub/models--org--base/snapshots/abc", "r": 8})
+    )
+    (tmp_path / "README.md").write_text("---\nlibrary_name: peft\n---\n## Model Details\n[More Information Needed]\n")
+    write_adapter_card(tmp_path, base_model="org/base", license_id="mit", name="run")
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config == {"base_model_name_or_path": "org/base", "r": 8}
+    card = ModelCard.load(tmp_path / "README.md")
+    assert card.data.base_model == "org/base" and card.data.license == "mit" and "More Information" not in card.text
