@@ -15,10 +15,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from slimtune.families import FAMILIES as _TABLE
+
+if TYPE_CHECKING:
+    import torch
 
 BUILTIN_PREFIX = "builtin:tiny-"
 FAMILIES = tuple(_TABLE)  # one tiny model per supported family, named by its model_type
@@ -100,6 +102,7 @@ def build_tokenizer(vocab_size: int = 1024):
 
 def build_model(family: str, vocab_size: int, seed: int = 0, **overrides) -> torch.nn.Module:
     """A randomly initialised causal LM of `family` with the tiny dimensions (seeded, float32)."""
+    import torch  # here, not at the top: the spec reads this module's names, and validating a YAML needs no torch
     import transformers
 
     if family not in _TABLE:
