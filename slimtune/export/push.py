@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
+from slimtune.exception_chain import exception_chain
+
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo, HfApi
 
@@ -236,16 +238,6 @@ def _validate(
     return sizes
 
 
-def _exception_chain(exc: BaseException) -> Iterable[BaseException]:
-    """The exception and its causes: huggingface_hub wraps LFS upload failures in a RuntimeError."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
-
-
 def _transport_errors() -> tuple[type[BaseException], ...]:
     """Network failure types: huggingface_hub 2.x talks through httpx2, 1.x through httpx."""
     types: list[type[BaseException]] = [ConnectionError, TimeoutError]
@@ -262,7 +254,7 @@ def _classify(exc: BaseException) -> tuple[int | None, bool]:
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
     transport = _transport_errors()
-    for err in _exception_chain(exc):
+    for err in exception_chain(exc):  # huggingface_hub wraps LFS upload failures in a RuntimeError
         if isinstance(err, OfflineModeIsEnabled):
             return None, False
         if isinstance(err, HfHubHTTPError) and err.response is not None:
@@ -279,7 +271,7 @@ def _describe(exc: BaseException) -> str:
 
     stop_at = (HfHubHTTPError, *_transport_errors())
     parts = []
-    for err in _exception_chain(exc):
+    for err in exception_chain(exc):  # huggingface_hub wraps LFS upload failures in a RuntimeError
         if str(err):
             parts.append(f"{type(err).__name__}: {err}")
         if isinstance(err, stop_at):

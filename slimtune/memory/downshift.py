@@ -11,6 +11,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from slimtune.exception_chain import exception_chain
 from slimtune.memory.errors import MemoryPressure
 from slimtune.spec import MERGE_MEMORY_USAGE_MAX
 
@@ -142,10 +143,6 @@ def retry_on_memory_pressure(task: Any, task_run: Any, state: Any) -> bool:
     exc = state.result(raise_on_failure=False)
     if not isinstance(exc, MemoryPressure):
         return False
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
+    for err in exception_chain(exc):
+        traceback.clear_frames(err.__traceback__)
     return True

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from slimtune.exception_chain import exception_chain
+
 _GIB = 1024**3
 
 # RuntimeError texts raised by the CUDA caching allocator, cuBLAS/cuDNN workspace allocation and
@@ -121,14 +123,7 @@ def classify(exc: BaseException) -> bool:
     The explicit `__cause__` chain is followed because loaders often re-raise an allocation
     failure as their own error (`raise LoadError(...) from oom`).
     """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if _is_memory_error(current):
-            return True
-        seen.add(id(current))
-        current = current.__cause__
-    return False
+    return any(_is_memory_error(e) for e in exception_chain(exc, implicit=False))
 
 
 def to_memory_pressure(exc: BaseException, stage: str, state: MemoryState) -> MemoryPressure:
