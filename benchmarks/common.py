@@ -18,7 +18,6 @@ import platform
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -26,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
+
+from slimtune.memory.sampler import PeakSampler  # imports neither transformers nor peft
 
 GiB = 1024**3
 # hf_gc: HF + peft + bitsandbytes with checkpointing (the baseline of every ratio); hf_nogc: without;
@@ -252,37 +252,6 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-class RssSampler:
-    """Peak host RSS of this process, sampled by a thread every `interval_s` (a /proc read, ~20 us)."""
-
-    def __init__(self, interval_s: float = 0.02) -> None:
-        self.interval_s = interval_s
-        self._proc = psutil.Process()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.start = 0
-        self.peak = 0
-
-    def _sample(self) -> None:
-        self.peak = max(self.peak, self._proc.memory_info().rss)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def __enter__(self) -> RssSampler:
-        self.start = self.peak = self._proc.memory_info().rss
-        self._thread = threading.Thread(target=self._run, name="bench-rss", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self._sample()
-
-
 class GpuPeak:
     """Allocator high-water marks over a block: reset on entry, read on exit (None off CUDA)."""
 
@@ -504,7 +473,7 @@ def measure_training(
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    rss, mem = RssSampler(), GpuPeak(device)
+    rss, mem = PeakSampler("cpu", interval_s=0.02), GpuPeak(device)
     row = make_row(model_key, config, batch, seq, "ok", warmup=warmup, notes=notes or {})
     try:
         with rss, mem:
@@ -525,7 +494,7 @@ def measure_training(
         peak_allocated_gib=gib(mem.peak_allocated),
         peak_reserved_gib=gib(mem.peak_reserved),
         static_allocated_gib=gib(mem.static_allocated),
-        host_rss_start_gib=gib(rss.start),
-        host_rss_peak_gib=gib(rss.peak),
+        host_rss_start_gib=gib(rss.start_host_rss),
+        host_rss_peak_gib=gib(rss.peak_host_rss),
     )
     return row

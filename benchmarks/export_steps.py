@@ -19,18 +19,18 @@ from benchmarks.common import (
     LORA_TARGETS,
     MODEL_SHAPES,
     GpuPeak,
-    RssSampler,
     build_random_model,
     dir_bytes,
     error_text,
     gib,
 )
+from slimtune.memory.sampler import PeakSampler
 
 
 def _measure(step: str, fn: Callable[[], list[Path]], device: str) -> dict[str, Any]:
     """Time `fn`, with its peak GPU memory, peak host RSS and the bytes of the paths it returns."""
     rec: dict[str, Any] = {"kind": "export", "step": step, "status": "ok", "error": None}
-    rss, mem = RssSampler(), GpuPeak(device)
+    rss, mem = PeakSampler("cpu", interval_s=0.02), GpuPeak(device)
     t0 = time.perf_counter()
     try:
         with rss, mem:
@@ -40,7 +40,7 @@ def _measure(step: str, fn: Callable[[], list[Path]], device: str) -> dict[str, 
     except Exception as e:
         traceback.print_exc()
         rec.update(status="error", error=error_text(e))
-    rec.update(peak_gpu_allocated_gib=gib(mem.peak_allocated), host_rss_peak_gib=gib(rss.peak))
+    rec.update(peak_gpu_allocated_gib=gib(mem.peak_allocated), host_rss_peak_gib=gib(rss.peak_host_rss))
     return rec
 
 

@@ -57,6 +57,7 @@ class PeakSampler:
         self.peak_gpu_allocated: int | None = 0 if self._cuda else None
         self.peak_gpu_reserved: int | None = 0 if self._cuda else None
         self.peak_device_used: int | None = 0 if self._nvml else None
+        self.start_host_rss = 0  # host RSS when sampling began: peaks are compared with it
         self.samples = 0
         self.sample_seconds = 0.0
         self._started = 0.0
@@ -91,6 +92,7 @@ class PeakSampler:
     def __enter__(self) -> Self:
         self._started = time.perf_counter()
         self.sample()
+        self.start_host_rss = self.peak_host_rss
         self._thread = threading.Thread(target=self._run, name="slimtune-memory-sampler", daemon=True)
         self._thread.start()
         return self

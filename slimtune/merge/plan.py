@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,27 +121,3 @@ def preflight_disk(out_parent: Path, out_bytes: int, spill_dir: Path, spill_byte
                 "another output dir, or set merge.temporary_location to a larger disk (a larger host budget "
                 "avoids spill)"
             )
-
-
-class PeakRss:
-    """Samples this process's RSS every 20 ms in a thread; host peaks last milliseconds, /proc is cheap."""
-
-    def __init__(self, interval_s: float = 0.02) -> None:
-        self._proc = psutil.Process()
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self.peak = self._proc.memory_info().rss
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)

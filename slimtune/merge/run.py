@@ -12,12 +12,13 @@ from typing import Literal
 import torch
 
 from slimtune import atomic
+from slimtune.memory.sampler import PeakSampler
 
 from .errors import AlreadyMergedError, MergeError
 from .lora_delta import ADAPTER_FILES, check_against_base, load_adapter
 from .manifest import MANIFEST, MARKER, adapter_digest, hash_files, read_manifest, reusable, write_manifest
 from .nf4 import QuantSpec, quantized_tensor_names
-from .plan import OutputShard, PeakRss, plan_shards, preflight_disk, resolve_budgets, spill_bound
+from .plan import OutputShard, plan_shards, preflight_disk, resolve_budgets, spill_bound
 from .prequantized import is_prequantized, split_stored_4bit
 from .safetensors_io import DTYPES, FLOAT16_32, TensorEntry, read_entries
 from .stream import HeldTensors, TensorMerger, merge_shards
@@ -209,7 +210,7 @@ def merge_adapter(
         torch.cuda.reset_peak_memory_stats(budgets.device)
         gpu_base = torch.cuda.memory_allocated(budgets.device)
     try:
-        with PeakRss() as rss:
+        with PeakSampler("cpu", interval_s=0.02) as rss:  # host peaks last milliseconds
             mark = time.perf_counter()
             outputs = merge_shards(shards, merger, held, tmp, out_bytes + spill)
             timings["merge_and_write"] = time.perf_counter() - mark
@@ -234,7 +235,7 @@ def merge_adapter(
         report.peak_gpu_allocated_bytes = torch.cuda.max_memory_allocated(budgets.device) - gpu_base
     written = sum((out_dir / n).stat().st_size for n in [*outputs, MANIFEST])
     _fill_report(report, merger, held, len(shards), written)
-    report.peak_host_rss_bytes = rss.peak
+    report.peak_host_rss_bytes = rss.peak_host_rss
     report.seconds = time.perf_counter() - start
     timings["other"] = report.seconds - sum(timings.values())  # reuse check, plan, metadata, rename
     report.timings = {k: round(v, 3) for k, v in timings.items()}
