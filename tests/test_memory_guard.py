@@ -304,7 +304,10 @@ def test_reports_outside_a_run_are_no_ops():
     assert publish_task_report(record) is None
     assert publish_memory_report([record]) is None
     assert artifact_key("Packed_SFT step") == "memory-packed-sft-step"
-    with gpu_concurrency():  # no run, no API: nothing to wait for
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    # No run and no API (another test's Prefect server may have set one): nothing to wait for.
+    with temporary_settings(restore_defaults={PREFECT_API_URL}), gpu_concurrency():
         pass
 
 

@@ -255,6 +255,9 @@ def guarded(
             on_exit(record)
 
 
+_GPU_LEASE_S = 60.0
+
+
 def gpu_slot() -> str:
     """The name of this host's GPU slot: `SLIMTUNE_GPU_SLOT`, default "gpu".
 
@@ -303,5 +306,8 @@ def gpu_concurrency(slot: str = "gpu") -> Iterator[None]:
     from prefect.concurrency.sync import concurrency
 
     ensure_gpu_limit(slot)
-    with concurrency(slot, occupy=1, strict=False):
+    # The holder renews its lease while it runs; a run killed outright (SIGKILL, the OOM killer) cannot
+    # release its slot, so the lease is what frees it: 60 s rather than Prefect's default 300 s keeps the
+    # re-submitted run (or the next queued one) from waiting five minutes on a dead process.
+    with concurrency(slot, occupy=1, strict=False, lease_duration=_GPU_LEASE_S):
         yield
