@@ -15,7 +15,6 @@ import psutil
 import pytest
 import torch
 from prefect import flow, task
-from prefect.testing.utilities import prefect_test_harness
 
 from slimtune.memory.clean import clean_memory
 from slimtune.memory.downshift import (
@@ -33,12 +32,6 @@ from slimtune.memory.sampler import PeakSampler
 
 _GIB = 1024**3
 _MIB = 1024**2
-
-
-@pytest.fixture(scope="session")
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=60):
-        yield
 
 
 # --- classify -------------------------------------------------------------------------------------
@@ -369,7 +362,7 @@ def _finetune_like(micro_batch: int, grad_accum: int) -> dict:
     return {k: v for k, v in out.items() if k != "record"} | {"downshifts": out["record"].downshifts}
 
 
-def test_oom_on_first_attempt_retries_with_half_the_micro_batch(prefect_api):
+def test_oom_on_first_attempt_retries_with_half_the_micro_batch(prefect_harness):
     _calls.clear()
     _batches.clear()
     state = _finetune_like(8, 2, return_state=True)
@@ -400,7 +393,7 @@ def test_oom_on_first_attempt_retries_with_half_the_micro_batch(prefect_api):
     assert "8 -> 4" in by_key["memory-report"][0].data
 
 
-def test_value_error_is_not_retried(prefect_api):
+def test_value_error_is_not_retried(prefect_harness):
     _calls.clear()
 
     @flow
@@ -414,7 +407,7 @@ def test_value_error_is_not_retried(prefect_api):
     assert _calls == [(7, 1)]
 
 
-def test_preflight_shortfall_is_not_retried_and_allocates_nothing(prefect_api):
+def test_preflight_shortfall_is_not_retried_and_allocates_nothing(prefect_harness):
     _calls.clear()
 
     @flow
@@ -427,7 +420,7 @@ def test_preflight_shortfall_is_not_retried_and_allocates_nothing(prefect_api):
     assert _calls == []
 
 
-def test_gpu_concurrency_holds_a_slot_of_the_gpu_limit(prefect_api):
+def test_gpu_concurrency_holds_a_slot_of_the_gpu_limit(prefect_harness):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 
@@ -444,7 +437,7 @@ def test_gpu_concurrency_holds_a_slot_of_the_gpu_limit(prefect_api):
         assert client.read_global_concurrency_limit_by_name("gpu-test").active_slots == 0
 
 
-def test_gpu_concurrency_creates_a_missing_limit_with_one_slot(prefect_api, caplog):
+def test_gpu_concurrency_creates_a_missing_limit_with_one_slot(prefect_harness, caplog):
     """No "Concurrency limits ['gpu'] do not exist" warning: the limit is created, then held."""
     from prefect.client.orchestration import get_client
 
@@ -516,7 +509,7 @@ def _gpu_step(micro_batch: int, grad_accum: int, budget_fraction: float) -> dict
 
 
 @pytest.mark.gpu
-def test_gpu_budget_oom_recovers_at_smaller_micro_batch(prefect_api):
+def test_gpu_budget_oom_recovers_at_smaller_micro_batch(prefect_harness):
     torch.cuda.init()
     clean_memory()
     baseline = torch.cuda.memory_allocated()
