@@ -281,3 +281,29 @@ def test_model_device_is_where_the_trainable_weights_are():
     model = torch.nn.Sequential(torch.nn.Embedding(4, 2, device="meta"), torch.nn.Linear(2, 2))
     model[0].weight.requires_grad_(False)
     assert model_device(model).type == "cpu"
+
+
+class _PlacementProbe(torch.nn.Module):
+    """A weightless submodule that counts `.to()` / `.cuda()` calls reaching the model it sits in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moves = 0
+
+    def _apply(self, fn, recurse=True):
+        self.moves += 1
+        return super()._apply(fn, recurse)
+
+
+def test_training_never_moves_the_model(base_dir, tokenizer, examples, data, tmp_path):
+    """The loader placed every weight, `host_embedding` the input table in pinned host memory on purpose.
+
+    accelerate's `prepare` used to call `model.to(device)`, which on a GPU pulled that 0.98 GiB (8B) table
+    back onto the device for the whole run. On the CPU the move is a no-op, so a probe counts the calls.
+    """
+    model = _model(base_dir)
+    probe = _PlacementProbe()
+    model.base_model.model.model.add_module("placement_probe", probe)
+    report = _train(base_dir, tokenizer, examples, data, tmp_path / "run", model=model, max_steps=2)
+    assert report.steps == 2
+    assert probe.moves == 0
