@@ -113,6 +113,7 @@ def worker(key: str, kernels: str, cells: list[dict], root: Path, results: Path,
     """Load once, attach LoRA once, then train each cell (2 steps) under the product's guard."""
     import torch
 
+    from slimtune import registry
     from slimtune.memory import estimate_train, guarded
     from slimtune.memory.errors import MemoryPressure
     from slimtune.spec import parse_spec
@@ -161,6 +162,8 @@ def worker(key: str, kernels: str, cells: list[dict], root: Path, results: Path,
                     gradient_checkpointing=ckpt,
                 )
             row.update(steps=report.steps, tokens_per_s=round(report.tokens_per_s))
+            # Where the input table is after training: host_embedding puts it in host memory at attach time.
+            row["input_embeddings_device"] = str(registry.get(lora.handle).get_input_embeddings().weight.device)
         except MemoryPressure:
             pass
         _append(results, {**row, **_record(rec)})

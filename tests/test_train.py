@@ -365,3 +365,29 @@ def test_step_lines_progress_and_loss_curve_reach_prefect(
     assert curves, [a.key for a in artifacts]
     png = base64.b64decode(re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)\)", curves[-1].data).group(1))
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _PlacementProbe(torch.nn.Module):
+    """A weightless submodule that counts `.to()` / `.cuda()` calls reaching the model it sits in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moves = 0
+
+    def _apply(self, fn, recurse=True):
+        self.moves += 1
+        return super()._apply(fn, recurse)
+
+
+def test_training_never_moves_the_model(base_dir, tokenizer, examples, data, tmp_path):
+    """The loader placed every weight, `host_embedding` the input table in pinned host memory on purpose.
+
+    accelerate's `prepare` used to call `model.to(device)`, which on a GPU pulled that 0.98 GiB (8B) table
+    back onto the device for the whole run. On the CPU the move is a no-op, so a probe counts the calls.
+    """
+    model = _model(base_dir)
+    probe = _PlacementProbe()
+    model.base_model.model.model.add_module("placement_probe", probe)
+    report = _train(base_dir, tokenizer, examples, data, tmp_path / "run", model=model, max_steps=2)
+    assert report.steps == 2
+    assert probe.moves == 0

@@ -129,6 +129,17 @@ class _SlimTrainer(Trainer):
     def training_seconds(self) -> float:
         return self.seconds_before + time.perf_counter() - self.began
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Accelerator, told not to move the model: load_4bit already placed every weight.
+
+        accelerate's `prepare` otherwise calls `model.to(device)` (its 4-bit exemption needs attributes
+        transformers 5 no longer sets), which pulled the `host_embedding` table back from pinned host
+        memory onto the GPU: +0.98 GiB for the whole 8B run (measured). Batches are still moved by
+        Trainer (`_prepare_inputs` sends them to `args.device`).
+        """
+        super().create_accelerator_and_postprocess()
+        self.accelerator.device_placement = False
+
     def _get_output_dir(self, trial) -> str:
         # While saving, Trainer writes (and rotates) inside the staging folder instead of the real one.
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
@@ -421,6 +432,12 @@ class _OneDeviceArguments(TrainingArguments):
     @property
     def n_gpu(self) -> int:
         return min(super().n_gpu, 1)
+
+    @property
+    def place_model_on_device(self) -> bool:
+        # The loader placed every weight (and `host_embedding` the input table in host memory): Trainer
+        # must not `model.to(device)` it, as its own 4-bit exemption covers only bitsandbytes-loaded models.
+        return False
 
     @property
     def device(self) -> torch.device:
