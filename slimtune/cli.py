@@ -138,10 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         return _print_validated(args, spec)
     if args.command == "plan":
+        from slimtune.model_source import ModelSourceError
         from slimtune.plan import detected_budget, model_config, plan, render
 
+        try:
+            cfg = model_config(spec)
+        except ModelSourceError as e:
+            return _fail(e, EXIT_INVALID_SPEC)
         budget = detected_budget(spec, args.gpu_memory, args.host_memory)
-        rows, limits = plan(spec, model_config(spec), budget)
+        rows, limits = plan(spec, cfg, budget)
         print(render(spec, rows, limits, budget))
         return 0 if all(r.gpu_fits is not False and r.host_fits is not False for r in rows) else 1
     from prefect.exceptions import TerminationSignal

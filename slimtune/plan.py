@@ -66,9 +66,16 @@ def model_config(spec: PipelineSpec) -> dict:
         return read_config(local_model_dir(spec.model))
     from huggingface_hub import hf_hub_download
 
-    return json.loads(
-        Path(hf_hub_download(spec.model.name_or_path, "config.json", revision=spec.model.revision)).read_text()
-    )
+    from slimtune.model_source import ModelSourceError
+
+    try:
+        config_file = hf_hub_download(spec.model.name_or_path, "config.json", revision=spec.model.revision)
+    except Exception as e:  # offline, gated, missing: one line, not huggingface_hub's traceback
+        raise ModelSourceError(
+            f"model.name_or_path: cannot read config.json of {spec.model.name_or_path!r} from the Hub "
+            f"({type(e).__name__}); give a local model directory, or plan where the Hub can be reached"
+        ) from None
+    return json.loads(Path(config_file).read_text())
 
 
 def detected_gpu_total(gpu_total: int | None) -> int | None:
