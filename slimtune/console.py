@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 
 class _NoTraceback(logging.Filter):
@@ -14,7 +15,16 @@ class _NoTraceback(logging.Filter):
         return True
 
 
+def _one_line_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+    """An error in a finaliser (e.g. asyncio's transport `__del__` while a Ctrl-C unwinds the run) as one
+    line instead of Python's "Exception ignored in ... Traceback" block."""
+    exc = unraisable.exc_value
+    logging.getLogger("slimtune").debug("ignored in %r: %s: %s", unraisable.object, type(exc).__name__, exc)
+
+
 def hide_tracebacks() -> None:
-    """Keep tracebacks off the console handlers (Prefect's console handler sits on the root logger)."""
+    """Keep tracebacks off the console: the log handlers' (Prefect's console handler sits on the root logger)
+    and the interpreter's report of errors in finalisers."""
     for handler in logging.getLogger().handlers:
         handler.addFilter(_NoTraceback())
+    sys.unraisablehook = _one_line_unraisable

@@ -19,7 +19,9 @@ def crash_downshift(parameters: dict) -> dict | None:
     spec = PipelineSpec.model_validate(raw if raw is not None else {})
     if spec.resubmits >= spec.guard.max_crash_resubmits:
         return None
-    data = copy.deepcopy(spec.model_dump(mode="json"))
+    # Unset optional fields are left out: the deployment's parameter schema (the run form's) has no null
+    # branch for them, and the server refuses a flow run whose parameters carry a None there.
+    data = copy.deepcopy(spec.model_dump(mode="json", exclude_none=True))
     train = data["train"]
     # `auto` re-chooses from the estimate on the next run; only the checkpointing can shift under it.
     micro_batch = 1 if train["micro_batch_size"] == "auto" else train["micro_batch_size"]
