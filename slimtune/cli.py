@@ -117,28 +117,31 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is not None:
         return args.func(args)
     from slimtune.checks import spec_problems
+    from slimtune.model_source import ModelSourceError, architecture_problem
     from slimtune.spec import SpecError, load_spec
 
     try:
         spec = load_spec(args.spec, args.overrides)
-        # The machine and the files the spec names, before any model loads. Not for `plan`, which answers
-        # "would this fit that card?" on any machine.
-        if args.command != "plan" and (problems := spec_problems(spec)):
-            raise SpecError(problems, args.spec)
     except SpecError as e:
         print(e, file=sys.stderr)
         print(f"slimtune: error: {len(e.problems)} problem(s) in {args.spec}", file=sys.stderr)
         return EXIT_INVALID_SPEC
-    if args.command == "plan":
-        from slimtune.model_source import architecture_problem
-
-        if problem := architecture_problem(spec.model):
-            print(f"slimtune: error: {problem}", file=sys.stderr)
-            return EXIT_INVALID_SPEC
+    try:
+        problem = architecture_problem(spec.model)
+    except ModelSourceError as e:  # an unreadable config.json
+        problem = str(e)
+    if problem:  # one line: nothing else matters for a model we cannot read or run
+        print(f"slimtune: error: {problem}", file=sys.stderr)
+        return EXIT_INVALID_SPEC
+    # The machine and the files the spec names, before any model loads. Not for `plan`, which answers "would
+    # this fit that card?" on any machine.
+    if args.command != "plan" and (problems := spec_problems(spec)):
+        print(SpecError(problems, args.spec), file=sys.stderr)
+        print(f"slimtune: error: {len(problems)} problem(s) in {args.spec}", file=sys.stderr)
+        return EXIT_INVALID_SPEC
     if args.command == "validate":
         return _print_validated(args, spec)
     if args.command == "plan":
-        from slimtune.model_source import ModelSourceError
         from slimtune.plan import detected_budget, model_config, plan, render
 
         try:
@@ -154,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     from slimtune.console import hide_tracebacks
     from slimtune.data import DataError
     from slimtune.interrupt import Interrupted, exit_code, exit_now, interruptible, start_shielded_prefect_server
-    from slimtune.model_source import ModelSourceError
     from slimtune.run_lock import RunLocked, run_lock
 
     try:

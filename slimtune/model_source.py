@@ -65,7 +65,12 @@ def read_config(model_dir: Path) -> dict:
         raise ModelSourceError(
             f"model.name_or_path: {model_dir} has no config.json; point it at a Hugging Face model folder"
         )
-    return json.loads(cfg.read_text(encoding="utf-8"))
+    try:
+        return json.loads(cfg.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError: name the file, not the parser's position
+        raise ModelSourceError(
+            f"model.name_or_path: {cfg} is not valid JSON ({e}); download or copy the model again"
+        ) from None
 
 
 def check_model_dir(model: ModelSpec, model_dir: Path) -> dict:
