@@ -16,15 +16,21 @@ _HOLD_S = 2.0
 
 
 @pytest.fixture
-def gpu_limit(prefect_harness):
+def gpu_limit(prefect_harness, monkeypatch):
+    """A one-slot limit of this test's own (SLIMTUNE_GPU_SLOT names it): the session's server may already hold
+    a "gpu" limit, which any flow run creates when missing."""
+    import uuid
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 
+    name = f"gpu-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("SLIMTUNE_GPU_SLOT", name)
     with get_client(sync_client=True) as client:
-        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name="gpu", limit=1))
-    yield "gpu"
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+    yield name
     with get_client(sync_client=True) as client:
-        client.delete_global_concurrency_limit_by_name("gpu")
+        client.delete_global_concurrency_limit_by_name(name)
 
 
 @pytest.mark.fault(
