@@ -59,6 +59,26 @@ def _hub_datasets(datasets: Sequence[str]) -> list[str] | None:
     return [d for d in datasets if is_hub_id(d)] or None
 
 
+def _training_sections(
+    datasets: Sequence[str], lora: Mapping[str, object] | None, metrics: Mapping[str, object] | None
+) -> list[str]:
+    """The dataset, LoRA and metrics sections both cards carry."""
+    return [
+        "## Dataset",
+        "",
+        _dataset_text(datasets),
+        "",
+        "## LoRA configuration",
+        "",
+        *_table(("Setting", "Value"), (lora or {}).items()),
+        "",
+        "## Training metrics",
+        "",
+        *_table(("Metric", "Value"), (metrics or {}).items()),
+        "",
+    ]
+
+
 def _base_text(base_model: str) -> str:
     return f"[`{base_model}`](https://huggingface.co/{base_model})" if is_hub_id(base_model) else f"`{base_model}`"
 
@@ -120,18 +140,7 @@ def render_model_card(
         "",
         _base_text(base_model),
         "",
-        "## Dataset",
-        "",
-        _dataset_text(datasets),
-        "",
-        "## LoRA configuration",
-        "",
-        *_table(("Setting", "Value"), (lora or {}).items()),
-        "",
-        "## Training metrics",
-        "",
-        *_table(("Metric", "Value"), (metrics or {}).items()),
-        "",
+        *_training_sections(datasets, lora, metrics),
         "## Files",
         "",
         *_table(("File", "Quantization", "Size", "Bytes"), rows),
@@ -183,18 +192,7 @@ def render_adapter_card(
         "",
         f"A QLoRA adapter for {_base_text(base_model)}, trained with slimtune.",
         "",
-        "## Dataset",
-        "",
-        _dataset_text(datasets),
-        "",
-        "## LoRA configuration",
-        "",
-        *_table(("Setting", "Value"), (lora or {}).items()),
-        "",
-        "## Training metrics",
-        "",
-        *_table(("Metric", "Value"), (metrics or {}).items()),
-        "",
+        *_training_sections(datasets, lora, metrics),
         "## Usage",
         "",
         "```python",
