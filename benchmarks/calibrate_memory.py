@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -111,6 +113,9 @@ def _append(path: Path, row: dict) -> None:
 
 def worker(key: str, kernels: str, cells: list[dict], root: Path, results: Path, device: str = "cuda") -> None:
     """Load once, attach LoRA once, then train each cell (2 steps) under the product's guard."""
+    from slimtune.device import prefer_expandable_segments
+
+    prefer_expandable_segments()  # what resolve_device does in the product, before this worker touches CUDA
     import torch
 
     from slimtune import registry
@@ -129,6 +134,7 @@ def worker(key: str, kernels: str, cells: list[dict], root: Path, results: Path,
     total = torch.cuda.mem_get_info()[1] if cuda else 1 << 40
     name = torch.cuda.get_device_name() if cuda else "cpu"
     common = {"model": key, "config": _config(key), "kernels": kernels, "device": name, "total": total}
+    common["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
     with guarded("load_4bit", estimate=None, device=device) as rec:
         loaded = load_4bit(spec)
     _append(results, {**common, "stage": "load_4bit", **_record(rec)})
@@ -164,6 +170,9 @@ def worker(key: str, kernels: str, cells: list[dict], root: Path, results: Path,
             row.update(steps=report.steps, tokens_per_s=round(report.tokens_per_s))
             # Where the input table is after training: host_embedding puts it in host memory at attach time.
             row["input_embeddings_device"] = str(registry.get(lora.handle).get_input_embeddings().weight.device)
+            if cuda:
+                segments = torch.cuda.memory._snapshot()["segments"]
+                row["expandable_segments"] = any(s.get("is_expandable") for s in segments)
         except MemoryPressure:
             pass
         _append(results, {**row, **_record(rec)})
@@ -211,6 +220,7 @@ def _e2e(root: Path, budget_gib: float, mb: int | str, ckpt: str, merge: bool, o
     report = run_dir / "train_report.json"
     train = json.loads(report.read_text()) if report.is_file() else {}
     (out / f"{name}.log").write_text(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-40000:])
+    shutil.rmtree(run_dir, ignore_errors=True)  # a merged 8B and its GGUF are 30 GB: the next run needs the disk
     return {
         "run": name,
         "budget_gib": budget_gib,
@@ -324,8 +334,10 @@ def main() -> int:
         try:
             size = mb if mb == "auto" else int(mb)
             e2e.append(_e2e(root, float(budget), size, ckpt, merge == ["merge"], out, left - 15))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:
             e2e.append({"run": item, "outcome": "stopped at the time budget"})
+            log = [x.decode() if isinstance(x, bytes) else x or "" for x in (exc.stdout, exc.stderr)]
+            (out / f"timeout-{len(e2e)}.log").write_text(log[0][-20000:] + "\n--- stderr ---\n" + log[1][-40000:])
         (out / "e2e.json").write_text(json.dumps(e2e, indent=2, default=str))
     rows = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
     (out / "memory-calibration.json").write_text(

@@ -126,25 +126,41 @@ def _total_8b() -> int:
     return next(r["total"] for r in _table()["grid"] if r["model"] == "8b")
 
 
-def test_8b_at_6_gib_runs_out_and_the_estimate_says_so():
-    """8B at 1 x 2048 "unsloth", input table in host memory, 6 GiB budget: the run passed the old estimate and
-    ran out of memory at the budget (reserved at the cap, allocated below it). The allocator peak measured for
-    that very cell (grid, same kernels) is above the budget, and so is the estimate now."""
+def test_8b_completes_end_to_end_under_6_gib_with_the_preflight_on():
+    """8B at 1 x 2048 "unsloth", 6 GiB allocator budget: load, train, cleanup, merge and f16 GGUF all completed.
+
+    Before expandable segments the same cell ran out at the cap with 5.19 GiB allocated and 5.96 reserved.
+    The preflight passed because the estimate's allocator part is within the budget, and it is also an upper
+    bound of what the stage reserved."""
     run = {e["run"]: e for e in _e2e_runs()}["e2e-8b-6gib-mb1-merge"]
-    sft = run["stages"]["packed_sft"]
     budget = run["fraction"] * _total_8b()
-    assert run["rc"] != 0 and sft["outcome"] == "out of memory"
-    assert sft["peak_gpu_allocated"] < budget <= sft["peak_gpu_reserved"] * 1.001
-    cell = next(
-        r
-        for r in _measured("packed_sft")
-        if r["model"] == "8b"
-        and r["kernels"] == "auto"
-        and (r["micro_batch"], r["seq_len"], r["checkpointing"]) == (1, 2048, "unsloth")
+    assert run["rc"] == 0 and run["train"]["micro_batch_size"] == 1
+    assert {s: r["outcome"] for s, r in run["stages"].items()} == dict.fromkeys(
+        ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push"), "completed"
     )
-    assert cell["input_embeddings_device"] == "cpu" and cell["peak_reserved"] > budget
+    sft = run["stages"]["packed_sft"]
     est = _train(_config_8b(), 1, 2048, "unsloth", expected_kernels("auto", "cuda", "llama"))
-    assert est.gpu_bytes - est.context_gpu_bytes > budget
+    assert sft["peak_gpu_reserved"] <= est.gpu_bytes - est.context_gpu_bytes <= budget
+    assert all(r["peak_gpu_reserved"] <= budget for r in run["stages"].values())
+    # Half a GiB less would not have held what training reserved: the verdict is not a loose one.
+    assert est.gpu_bytes - est.context_gpu_bytes > budget - 0.5 * _GIB
+
+
+def test_the_allocator_setting_took_effect_and_the_cap_held():
+    probe = _table()["probe"]
+    assert probe["expandable"] and probe["cap_enforced"] and probe["setting"] == "expandable_segments:True"
+    assert all(r.get("expandable_segments", True) for r in _measured("packed_sft"))
+
+
+def test_the_8b_load_completes_in_a_6_gib_memory_cgroup():
+    """RSS while loading is mostly mapped shard pages: under a 6 GiB cgroup the kernel drops them and the load
+    completes with no OOM kill and peak RSS within the limit."""
+    row = _table()["bounded_load"]
+    rec = row["record"]
+    assert row["outcome"] == "completed" and row["oom_kill"] == 0 and row["limit_gib"] == 6.0
+    assert rec["peak_host_rss"] <= 6 * _GIB
+    # A bare process without the flow's Prefect (0.63 GiB here): the estimate, made for the flow, is above it.
+    assert estimate_load_4bit(_config_8b(), compute_dtype_bytes=2).host_bytes >= rec["peak_host_anon"]
 
 
 def test_the_input_table_stays_in_host_memory_through_training():

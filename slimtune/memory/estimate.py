@@ -40,9 +40,14 @@ _LOAD_CONTEXT_BYTES = int(1.12 * _GIB)
 # Anonymous host memory of the loading process: 0.64 GiB in a bare worker, 0.72 GiB inside the flow.
 _LOAD_HOST_BYTES = int(0.73 * _GIB)
 _CONTEXT_TERM = "CUDA context and libraries (outside the allocator)"
-# Training: reserved - allocated grows with the step's short-lived tensors (up to 0.5x of them at
-# 4 x 8192 tokens with offloading); this share of the activation and loss terms covers every cell.
-_FRAGMENTATION = 0.39
+# Training: with expandable segments (slimtune.device) reserved stays close to allocated, and what remains
+# grows with the step's short-lived tensors (the activation and loss terms). Measured reserved - allocated
+# over the grid: 0.02-0.57 GiB with the fused kernels and standard checkpointing, up to 2.6 GiB at 4 x 8192
+# with offloading (copies on a second stream keep their blocks apart), and up to 4.2 GiB with kernels off
+# (eager ops leave many differently sized temporaries). These shares of those terms cover every cell.
+_FRAGMENTATION = 0.15
+_FRAGMENTATION_OFFLOADED = 0.25
+_FRAGMENTATION_EAGER = 0.36
 # With the fused kernels (SwiGLU, RMSNorm, RoPE, LoRA over NF4) a layer keeps less than the eager
 # count of `_activation_bytes_per_token_layer`: measured slope / counted, over 1B, 8B and Qwen 7B:
 # 0.645-0.665 of it stored without checkpointing, 0.79-0.905 while one layer is recomputed.
@@ -51,10 +56,10 @@ _FUSED_STORED = 0.68
 _FUSED_RECOMPUTE = 0.9
 # The fused linear + cross-entropy works on chunks of at most 256 MiB of logits (kernels/fused_linear_ce.py).
 _FUSED_CE_CHUNK_BYTES = 256 << 20
-_FRAGMENTATION_FLOOR = int(0.35 * _GIB)
+_FRAGMENTATION_FLOOR = int(0.2 * _GIB)
 # With the input table in host memory and the layer inputs offloaded, reserved - allocated runs above
-# the standard mode's at the same tokens (8B: 0.58 vs 0.27 GiB at 1 x 2048, 1.23 vs 0.87 at 4 x 2048;
-# not seen with the table on the GPU). Measured, not yet explained: a quarter of the table covers it.
+# the tied 1B's at the same tokens (8B: 0.57 vs 0.02 GiB at 4 x 2048; not seen with the table on the GPU).
+# Measured, not yet explained: a quarter of the table covers it.
 _OFFLOAD_HOST_TABLE_FRAGMENTATION = 0.25
 # Offloaded checkpointing: layer inputs on the GPU at once (the one computed, copies to and from host).
 _OFFLOAD_IN_FLIGHT = 3
@@ -366,8 +371,10 @@ def estimate_train(
     # Stored activations are allocated once per step; what is freed and re-allocated within the
     # step (layer inputs in flight, the peak phase) is what fragments the allocator's blocks.
     churn = sum(v for k, v in gpu.items() if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS)
-    gpu["allocator fragmentation"] = int(churn * _FRAGMENTATION) + _FRAGMENTATION_FLOOR
-    if mode in ("unsloth", "offload"):
+    offloaded = mode in ("unsloth", "offload")
+    share = _FRAGMENTATION_EAGER if not fused else _FRAGMENTATION_OFFLOADED if offloaded else _FRAGMENTATION
+    gpu["allocator fragmentation"] = int(churn * share) + _FRAGMENTATION_FLOOR
+    if offloaded:
         gpu["allocator fragmentation"] += int(host_table * _OFFLOAD_HOST_TABLE_FRAGMENTATION)
     if on_gpu:
         gpu[_CONTEXT_TERM] = _CUDA_CONTEXT_BYTES
