@@ -124,10 +124,12 @@ def test_device_errors_name_the_fix(tmp_path, device, message):
 
 def test_flow_process_loads_no_model_for_ddp(tmp_path):
     from slimtune.flows.stages import attach_lora_task, load_4bit_task
+    from slimtune.run_plan import resolve_plan
 
     spec = _spec(tmp_path, "defer", 2)
-    loaded = load_4bit_task.fn(spec)
-    lora = attach_lora_task.fn(spec, loaded["handle"])
+    plan = resolve_plan(spec)
+    loaded = load_4bit_task.fn(spec, plan)
+    lora = attach_lora_task.fn(spec, plan, loaded["handle"])
     assert loaded["handle"] is None and lora["checkpointing_handle"] is None
     assert "2 DDP workers" in loaded["reason"] and registry.handles() == []
 
