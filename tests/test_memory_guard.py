@@ -27,8 +27,9 @@ from slimtune.memory.downshift import (
 from slimtune.memory.errors import MemoryPressure, PreflightError, classify, memory_state
 from slimtune.memory.estimate import Estimate
 from slimtune.memory.guard import GuardRecord, gpu_concurrency, guarded, max_memory_with_headroom, preflight
-from slimtune.memory.report import artifact_key, publish_memory_report, publish_task_report, render_markdown
+from slimtune.memory.report import artifact_key, publish_memory_report, publish_task_report
 from slimtune.memory.sampler import PeakSampler
+from slimtune.report import render_memory_markdown
 
 _GIB = 1024**3
 _MIB = 1024**2
@@ -471,7 +472,7 @@ def test_report_markdown_lists_downshifts():
         ),
         GuardRecord(stage="dequant_merge", estimate=None, budget=None, outcome="completed"),
     ]
-    md = render_markdown(records)
+    md = render_memory_markdown(records)
     assert "| packed_sft | completed | 2 | 3.00 |" in md
     assert "- packed_sft: attempt 2: micro-batch 8 -> 4" in md
     assert "dequant_merge" in md
