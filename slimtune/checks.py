@@ -9,7 +9,6 @@ Hub accepts. Each problem is one line naming the field or file and the fix; `sli
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -99,6 +98,8 @@ def _local_model_dir(spec: PipelineSpec) -> Path | None:
 
 
 def _model_file_problems(spec: PipelineSpec) -> list[str]:
+    from slimtune.model_source import ModelSourceError, read_model_json
+
     model_dir = _local_model_dir(spec)
     if model_dir is None:
         return []
@@ -113,9 +114,9 @@ def _model_file_problems(spec: PipelineSpec) -> list[str]:
         problem = _readable(path, "model.name_or_path")
         if problem is None:
             try:
-                json.loads(path.read_text(encoding="utf-8"))
-            except ValueError as e:
-                problem = f"model.name_or_path: {path} is not valid JSON ({e}); download or copy the model again"
+                read_model_json(path)  # the parser (and message) load_4bit meets: model_source's
+            except ModelSourceError as e:
+                problem = str(e)
         if problem:
             problems.append(problem)
     return problems

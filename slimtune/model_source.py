@@ -65,11 +65,16 @@ def read_config(model_dir: Path) -> dict:
         raise ModelSourceError(
             f"model.name_or_path: {model_dir} has no config.json; point it at a Hugging Face model folder"
         )
+    return read_model_json(cfg)
+
+
+def read_model_json(path: Path) -> dict:
+    """One JSON file of the model folder (config.json, the tokenizer's), with an error that names the file."""
     try:
-        return json.loads(cfg.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError: name the file, not the parser's position
         raise ModelSourceError(
-            f"model.name_or_path: {cfg} is not valid JSON ({e}); download or copy the model again"
+            f"model.name_or_path: {path} is not valid JSON ({e}); download or copy the model again"
         ) from None
 
 

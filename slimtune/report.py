@@ -1,16 +1,22 @@
-"""The run report: one JSON file for machines, one markdown file and Prefect artifact for people.
+"""Every markdown report of a run, rendered here: the run report and the memory report.
 
-The markdown leads with what a user takes away (the GGUF files and how well llama.cpp reproduces the
-merged model, where the adapter and merged model are, eval loss before and after, time and memory per
-stage); the per-stage details follow.
+The run report is one JSON file for machines, one markdown file and Prefect artifact for people. Its
+markdown leads with what a user takes away (the GGUF files and how well llama.cpp reproduces the merged
+model, where the adapter and merged model are, eval loss before and after, time and memory per stage);
+the per-stage details follow. The memory report (a Prefect artifact, published by
+`slimtune.memory.report`) is the guard's estimate, budget, peaks and downshifts of every stage.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slimtune import atomic
+
+if TYPE_CHECKING:
+    from slimtune.memory.guard import GuardRecord
 
 log = logging.getLogger(__name__)
 _GIB = 1024**3
@@ -166,6 +172,44 @@ def _evaluation(evaluation: dict) -> list[str]:
         ]
         lines.append("")
     return lines
+
+
+def _gib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / _GIB:.2f}"
+
+
+def memory_row(record: GuardRecord) -> dict[str, str | int]:
+    """One memory report row (also the per-attempt table artifact); sizes in GiB."""
+    est = record.estimate
+    return {
+        "stage": record.stage,
+        "outcome": record.outcome,
+        "attempts": record.attempts,
+        "estimate GPU GiB": _gib(est.gpu_bytes if est else None),
+        "estimate host GiB": _gib(est.host_bytes if est else None),
+        "budget GiB": _gib(record.budget),
+        "peak GPU allocated GiB": _gib(record.peak_gpu_allocated),
+        "peak GPU reserved GiB": _gib(record.peak_gpu_reserved),
+        "peak device used GiB": _gib(record.peak_device_used),
+        "peak host RSS GiB": _gib(record.peak_host_rss),
+        "seconds": f"{record.seconds:.1f}",
+        "downshifts": "; ".join(record.downshifts) or "none",
+    }
+
+
+def render_memory_markdown(records: list[GuardRecord]) -> str:
+    """The flow's memory report: a table of every stage, then each downshift on its own line."""
+    lines = ["# Memory report", ""]
+    if not records:
+        return "\n".join([*lines, "No guarded stages ran."])
+    rows = [memory_row(r) for r in records]
+    # A column that reads n/a in every row (every GPU figure on a CPU run) only pushes the real ones off-screen.
+    columns = [c for c in rows[0] if c != "downshifts" and any(row[c] != "n/a" for row in rows)]
+    lines += _table(columns, [[str(row[c]) for c in columns] for row in rows])
+    shifts = [(r.stage, note) for r in records for note in r.downshifts]
+    lines += ["", "## Downshifts", ""]
+    lines += [f"- {stage}: {note}" for stage, note in shifts] or ["None: every stage ran as configured."]
+    return "\n".join(lines)
 
 
 def write_run_report(run_dir: Path, summary: dict) -> Path:

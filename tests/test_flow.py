@@ -1,5 +1,7 @@
 """The finetune flow end to end on CPU: six task runs in order, real outputs that real consumers load."""
 
+import collections
+import contextlib
 import gc
 import subprocess
 import sys
@@ -25,13 +27,41 @@ def _tiny_spec(tmp_path, **train):
     return spec
 
 
+_RESOLVERS = ("local_model_dir", "check_model_dir", "read_config")
+
+
 @pytest.fixture(scope="module")
 def finished_run(prefect_harness, tmp_path_factory):
     from slimtune.flows import finetune
 
     spec = _tiny_spec(tmp_path_factory.mktemp("run"))
-    state = finetune(spec, return_state=True)
-    return spec, state
+    with _counting_resolvers() as calls:
+        state = finetune(spec, return_state=True)
+    return spec, state, dict(calls)
+
+
+@contextlib.contextmanager
+def _counting_resolvers():
+    """Count calls of the model-folder resolvers wherever slimtune imported them (by name or through the module)."""
+    from slimtune import model_source
+
+    calls: collections.Counter = collections.Counter()
+    originals = {name: getattr(model_source, name) for name in _RESOLVERS}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module in [m for n, m in sys.modules.items() if n.startswith("slimtune") and m is not None]:
+            for attr, value in list(vars(module).items()):
+                for name, original in originals.items():
+                    if value is original:
+                        mp.setattr(module, attr, counted(name))
+        yield calls
 
 
 def test_flow_completes_with_six_task_runs_in_order(finished_run):
@@ -39,7 +69,7 @@ def test_flow_completes_with_six_task_runs_in_order(finished_run):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.client.schemas.sorting import TaskRunSort
 
-    spec, state = finished_run
+    spec, state, _ = finished_run
     assert state.is_completed(), state
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(
@@ -58,7 +88,7 @@ def test_outputs_load_in_real_consumers(finished_run):
 
     from slimtune.model_source import local_model_dir
 
-    spec, state = finished_run
+    spec, state, _ = finished_run
     run = spec.run_dir()
     base = AutoModelForCausalLM.from_pretrained(local_model_dir(spec.model))
     ids = torch.tensor([[5, 17, 42, 99, 7]])
@@ -78,6 +108,13 @@ def test_outputs_load_in_real_consumers(finished_run):
     assert sorted(p.stem for p in (run / "memory").glob("*.json")) == sorted(STAGES)
 
 
+def test_the_model_folder_is_resolved_once_per_run(finished_run):
+    """The flow resolves the run plan (folder, config, family, device, dtype) once; no task re-derives it."""
+    _, state, calls = finished_run
+    assert state.is_completed(), state
+    assert calls == {"local_model_dir": 1, "check_model_dir": 1, "read_config": 1}, calls
+
+
 def test_no_jax_after_a_full_run(finished_run):
     assert "jax" not in sys.modules
 
@@ -86,18 +123,20 @@ def test_cleanup_frees_the_live_model_inside_a_running_flow(prefect_harness, tmp
     from prefect import flow
 
     from slimtune.flows.stages import attach_lora_task, cleanup_task, load_4bit_task
+    from slimtune.run_plan import resolve_plan
     from slimtune.tasks.cleanup import MemorySnapshot
 
     spec = _tiny_spec(tmp_path)
+    plan = resolve_plan(spec)
 
     @flow
     def load_then_cleanup() -> tuple[bool, bool]:
         baseline = MemorySnapshot.take().to_dict()
-        loaded = load_4bit_task(spec)
-        lora = attach_lora_task(spec, loaded["handle"])
+        loaded = load_4bit_task(spec, plan)
+        lora = attach_lora_task(spec, plan, loaded["handle"])
         ref = weakref.ref(registry.get(lora["handle"]))
         alive_before = ref() is not None
-        cleanup_task(spec, baseline)
+        cleanup_task(spec, plan, baseline)
         gc.collect()
         return alive_before, ref() is None
 

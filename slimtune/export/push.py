@@ -5,6 +5,12 @@ which has not arrived yet. A retry re-runs the whole sequence (create repo, crea
 safe because each step is idempotent: the repo and branch calls accept "already exists", LFS objects the
 Hub already holds are skipped, and `create_commit` drops files whose remote hash already matches, so a
 commit whose answer was lost is not committed twice.
+
+Why a retry of our own, when huggingface_hub has `http_backoff`: in huggingface_hub 2.4 only the preupload
+and LFS calls go through it; `create_repo` and the commit POST do not. Measured against the fake Hub of
+tests/hub_server.py with max_attempts=1: one 503, or one dropped connection, on /api/repos/create or on
+/commit/main fails the push after a single request. The client's opt-in `retry_on_error` for the commit
+POST would commit twice when the Hub committed but the answer was lost (its own docstring says so).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOKEN_BLOCK = "hf-token"
-# 408/429 are the Hub's "try again later" answers besides 5xx (huggingface_hub retries the same set).
+# 408/429 are the Hub's "try again later" answers besides 5xx (huggingface_hub's http_backoff uses 429 and 5xx).
 _RETRIABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _MAX_BACKOFF_S = 60.0  # cap the doubling: 1, 2, 4, ... 60 s
 _REPO_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")

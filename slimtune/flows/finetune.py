@@ -22,10 +22,10 @@ from slimtune.flows.stages import (
     packed_sft_task,
 )
 from slimtune.memory import gpu_concurrency, gpu_slot, publish_memory_report, resubmit_on_crash
-from slimtune.model_source import check_model_dir, local_model_dir
 from slimtune.overrides import effective_yaml
 from slimtune.report import write_run_report
 from slimtune.run_lock import run_lock
+from slimtune.run_plan import resolve_plan
 from slimtune.spec import MAX_CRASH_RESUBMITS, PipelineSpec, recheck_paths
 from slimtune.tasks.cleanup import MemorySnapshot
 from slimtune.tasks.packed_sft import prepare_data
@@ -51,9 +51,8 @@ def _flow_run_name() -> str:
 def finetune(spec: PipelineSpec) -> dict:
     """Fine-tune `spec.model` with QLoRA on `spec.data`, merge, and export GGUF; returns the run summary."""
     spec = recheck_paths(spec)
-    model_dir = local_model_dir(spec.model)
-    check_model_dir(spec.model, model_dir)
-    examples = prepare_data(spec, str(model_dir))  # bad data fails here, before any model is loaded
+    plan = resolve_plan(spec)  # model folder, config, family, device, dtype: once, then passed to every task
+    examples = prepare_data(spec, plan.model_dir)  # bad data fails here, before any model is loaded
     baseline = MemorySnapshot.take().to_dict()
     summary: dict = {"spec": spec.model_dump(mode="json")}
     load, attach, train, clean, merge, export = (
@@ -63,18 +62,18 @@ def finetune(spec: PipelineSpec) -> dict:
     try:
         with run_lock(spec.run_dir()), gpu_concurrency(gpu_slot()):  # one run per run dir, then the GPU
             atomic.write_text(spec.run_dir() / "spec.effective.yaml", effective_yaml(spec))  # what ran
-            summary["load_4bit"] = loaded = load(spec)
-            summary["attach_lora"] = lora = attach(spec, loaded["handle"])
-            summary["packed_sft"] = trained = train(spec, lora["handle"], lora["checkpointing_handle"], examples)
+            summary["load_4bit"] = loaded = load(spec, plan)
+            summary["attach_lora"] = lora = attach(spec, plan, loaded["handle"])
+            summary["packed_sft"] = trained = train(spec, plan, lora["handle"], lora["checkpointing_handle"], examples)
             summary["evaluation"] = held_out_metrics(trained)
-            summary["cleanup"] = clean(spec, baseline)
+            summary["cleanup"] = clean(spec, plan, baseline)
             if spec.merge.enabled:
-                summary["dequant_merge"] = merged = merge(spec, trained["adapter_dir"])
+                summary["dequant_merge"] = merged = merge(spec, plan, trained["adapter_dir"])
                 if spec.eval.prompts:
-                    summary["evaluation"]["prompts"] = eval_prompts_task(spec, merged["out_dir"])
+                    summary["evaluation"]["prompts"] = eval_prompts_task(spec, plan, merged["out_dir"])
                 if spec.export.gguf or spec.export.push:
                     summary["gguf_convert_and_push"] = export(
-                        spec, merged["out_dir"], trained["adapter_dir"], _card_facts(summary)
+                        spec, plan, merged["out_dir"], trained["adapter_dir"], _card_facts(summary)
                     )
     finally:
         registry.release_all()  # also on failure: a failed run must not pin a model in this process

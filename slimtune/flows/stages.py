@@ -19,7 +19,6 @@ from prefect.cache_policies import NO_CACHE
 
 from slimtune import atomic
 from slimtune.charts import publish_memory_chart
-from slimtune.device import resolve_compute_dtype, resolve_device
 from slimtune.kernels.apply import expected_kernels
 from slimtune.memory import (
     Estimate,
@@ -36,8 +35,8 @@ from slimtune.memory import (
     retry_on_memory_pressure,
 )
 from slimtune.memory.guard import gpu_shortfalls
-from slimtune.model_source import local_model_dir, read_config
 from slimtune.plan import auto_micro_batch
+from slimtune.run_plan import RunPlan
 from slimtune.spec import PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.cleanup import cleanup
@@ -52,10 +51,6 @@ STAGES = ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Optimizer state per trainable parameter: AdamW's two float32 moments, or two 8-bit ones.
 _OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2}
-
-
-def _device(spec: PipelineSpec) -> str:
-    return str(resolve_device(spec.model.device))
 
 
 def _save_record(spec: PipelineSpec):
@@ -81,14 +76,14 @@ def load_records(memory_dir: Path) -> list[GuardRecord]:
     return records
 
 
-def _guard(stage: str, spec: PipelineSpec, estimate: Estimate | None, downshifts: tuple[str, ...] = ()):
+def _guard(stage: str, spec: PipelineSpec, plan: RunPlan, estimate: Estimate | None, downshifts: tuple[str, ...] = ()):
     """The memory guard around one stage (a null context when the spec turns the guard off)."""
     if not spec.guard.enabled:
         return contextlib.nullcontext()
     return guarded(
         stage,
         estimate=estimate if spec.guard.preflight else None,
-        device=_device(spec),
+        device=plan.device,
         budget_fraction=spec.guard.gpu_memory_fraction,
         disk_path=spec.run_dir(),
         downshifts=list(downshifts),
@@ -106,25 +101,22 @@ def _task(name: str, run_name: str):
     )
 
 
-def gpu_fits(est: Estimate, spec: PipelineSpec) -> bool:
+def gpu_fits(est: Estimate, spec: PipelineSpec, plan: RunPlan) -> bool:
     """Whether `est` passes the guard's GPU preflight now (device free memory and the spec's budget)."""
-    dev = resolve_device(spec.model.device)
+    dev = plan.torch_device
     if dev.type != "cuda":
         return True
     return not gpu_shortfalls(est, dev, spec.guard.gpu_memory_fraction)
 
 
 def train_estimate(
-    spec: PipelineSpec, cfg: dict, micro_batch: int, checkpointing: bool | str, device_type: str | None = None
+    spec: PipelineSpec, cfg: dict, micro_batch: int, checkpointing: bool | str, device_type: str
 ) -> Estimate:
     """The packed_sft estimate for `spec` at `micro_batch`: with the kernels the run will apply and the
     optimizer it uses (shared by the stage, the planner and `micro_batch_size: auto`). `device_type`
-    plans for a device this machine may lack ("cuda": 16-bit compute); default: the spec's device."""
-    if device_type is None:
-        device = resolve_device(spec.model.device)
-        device_type, dtype_bytes = device.type, resolve_compute_dtype(spec.model.compute_dtype, device).itemsize
-    else:
-        dtype_bytes = _DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
+    may be one this machine lacks (the planner's "cuda": 16-bit compute unless the spec says float32)."""
+    # "auto" compute dtype: bf16 or fp16 on a GPU, fp32 on the CPU (`slimtune.device.resolve_compute_dtype`)
+    dtype_bytes = _DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
     return estimate_train(
         cfg,
         micro_batch=micro_batch,
@@ -140,42 +132,43 @@ def train_estimate(
 
 
 @_task("load_4bit", "load_4bit [{spec.name}]")
-def load_4bit_task(spec: PipelineSpec) -> dict:
+def load_4bit_task(spec: PipelineSpec, plan: RunPlan) -> dict:
     """Load the base model in NF4; the model stays in the process registry."""
     if spec.train.num_gpus > 1:
         return ddp.deferred("load_4bit", spec)
-    cfg = read_config(local_model_dir(spec.model))
-    dtype = resolve_compute_dtype(spec.model.compute_dtype, resolve_device(spec.model.device))
-    with _guard("load_4bit", spec, estimate_load_4bit(cfg, compute_dtype_bytes=dtype.itemsize)):
-        return load_4bit(spec).to_dict()
+    with _guard("load_4bit", spec, plan, estimate_load_4bit(plan.config, compute_dtype_bytes=plan.dtype.itemsize)):
+        return load_4bit(spec, plan).to_dict()
 
 
 @_task("attach_lora", "attach_lora [{spec.name}]")
-def attach_lora_task(spec: PipelineSpec, handle: str | None) -> dict:
+def attach_lora_task(spec: PipelineSpec, plan: RunPlan, handle: str | None) -> dict:
     """Attach LoRA and the chosen gradient checkpointing."""
     if spec.train.num_gpus > 1:
         return ddp.deferred("attach_lora", spec)
-    with _guard("attach_lora", spec, None):
+    with _guard("attach_lora", spec, plan, None):
         return attach_lora(spec, handle).to_dict()
 
 
 @_task("packed_sft", "packed_sft [{spec.name}]")
 def packed_sft_task(
-    spec: PipelineSpec, handle: str | None, checkpointing_handle: str | None, examples_handle: str
+    spec: PipelineSpec, plan: RunPlan, handle: str | None, checkpointing_handle: str | None, examples_handle: str
 ) -> dict:
     """Train; each out-of-memory retry halves the micro-batch (doubling accumulation), then offloads."""
-    cfg = read_config(local_model_dir(spec.model))
+    cfg = plan.config
     micro_batch, grad_accum, chosen = spec.train.micro_batch_size, spec.train.gradient_accumulation_steps, None
     if micro_batch == "auto":
         micro_batch, grad_accum, chosen = auto_micro_batch(
-            spec.train, lambda mb: gpu_fits(train_estimate(spec, cfg, mb, spec.lora.gradient_checkpointing), spec)
+            spec.train,
+            lambda mb: gpu_fits(
+                train_estimate(spec, cfg, mb, spec.lora.gradient_checkpointing, plan.torch_device.type), spec, plan
+            ),
         )
         log.warning("packed_sft %s", chosen)
     shift = downshift_train(micro_batch, grad_accum, spec.lora.gradient_checkpointing, current_attempt())
     for note in shift.notes:
         log.warning("packed_sft downshift: %s", note)
-    est = train_estimate(spec, cfg, shift.micro_batch, shift.checkpointing)
-    with _guard("packed_sft", spec, est, shift.notes):
+    est = train_estimate(spec, cfg, shift.micro_batch, shift.checkpointing, plan.torch_device.type)
+    with _guard("packed_sft", spec, plan, est, shift.notes):
         if spec.train.num_gpus > 1:  # torchrun workers load, attach and train; rank 0 writes
             return ddp.launch(
                 spec,
@@ -191,51 +184,51 @@ def packed_sft_task(
             micro_batch_size=shift.micro_batch,
             gradient_accumulation_steps=shift.grad_accum,
             gradient_checkpointing=shift.checkpointing,
+            plan=plan,
         )
         return {**asdict(report), "micro_batch_auto": chosen}
 
 
 @_task("cleanup", "cleanup [{spec.name}]")
-def cleanup_task(spec: PipelineSpec, baseline: dict) -> dict:
+def cleanup_task(spec: PipelineSpec, plan: RunPlan, baseline: dict) -> dict:
     """Free every live model and check memory is back to where the run started."""
-    with _guard("cleanup", spec, None):
+    with _guard("cleanup", spec, plan, None):
         return cleanup(baseline).to_dict()
 
 
 @_task("dequant_merge", "dequant_merge [{spec.name}]")
-def dequant_merge_task(spec: PipelineSpec, adapter_dir: str) -> dict:
+def dequant_merge_task(spec: PipelineSpec, plan: RunPlan, adapter_dir: str) -> dict:
     """Merge tensor by tensor; each out-of-memory retry lowers maximum_memory_usage by 0.1."""
     shift = downshift_merge(spec.merge.maximum_memory_usage, current_attempt())
     for note in shift.notes:
         log.warning("dequant_merge downshift: %s", note)
-    cfg = read_config(local_model_dir(spec.model))
     est = estimate_merge(
-        cfg,
+        plan.config,
         max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9),
         output_dtype_bytes=_DTYPE_BYTES.get(spec.merge.output_dtype, 2),
     )
-    with _guard("dequant_merge", spec, est, shift.notes):
-        return dequant_merge(spec, adapter_dir, maximum_memory_usage=shift.maximum_memory_usage).to_dict()
+    with _guard("dequant_merge", spec, plan, est, shift.notes):
+        return dequant_merge(spec, adapter_dir, maximum_memory_usage=shift.maximum_memory_usage, plan=plan).to_dict()
 
 
 @_task("gguf_convert_and_push", "gguf_convert_and_push [{spec.name}]")
-def gguf_task(spec: PipelineSpec, merged_dir: str, adapter_dir: str, summary: dict) -> dict:
+def gguf_task(spec: PipelineSpec, plan: RunPlan, merged_dir: str, adapter_dir: str, summary: dict) -> dict:
     """Convert to GGUF, verify in llama.cpp, and push to the Hub when the spec says so."""
-    cfg = read_config(Path(merged_dir))
-    with _guard("gguf_convert_and_push", spec, estimate_export(cfg, out_types=spec.export.gguf)):
-        return gguf_convert_and_push(spec, Path(merged_dir), Path(adapter_dir), summary).to_dict()
+    est = estimate_export(plan.config, out_types=spec.export.gguf)  # merging keeps the base model's shape
+    with _guard("gguf_convert_and_push", spec, plan, est):
+        return gguf_convert_and_push(spec, Path(merged_dir), Path(adapter_dir), summary, plan).to_dict()
 
 
 @_task("eval_prompts", "eval_prompts [{spec.name}]")
-def eval_prompts_task(spec: PipelineSpec, merged_dir: str) -> list[dict]:
+def eval_prompts_task(spec: PipelineSpec, plan: RunPlan, merged_dir: str) -> list[dict]:
     """Base and fine-tuned answers to eval.prompts, side by side (one model loaded at a time)."""
     from slimtune.evaluate import compare_generations
 
-    with _guard("eval_prompts", spec, None):
+    with _guard("eval_prompts", spec, plan, None):
         return compare_generations(
-            local_model_dir(spec.model),
+            Path(plan.model_dir),
             Path(merged_dir),
             spec.eval.prompts,
             max_new_tokens=spec.eval.max_new_tokens,
-            device=_device(spec),
+            device=plan.device,
         )

@@ -25,6 +25,7 @@ from the last hidden state. Labels are unshifted, as for transformers (`shift_la
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -120,12 +121,23 @@ def _resolve(selection, device_type: str, family: str | None) -> tuple[list[str]
     return list(dict.fromkeys(selection)), ""
 
 
+def _never() -> bool:
+    return False
+
+
 def apply_kernels(
-    model: torch.nn.Module, selection: str | list[str] = "auto", exclude: dict[str, str] | None = None
+    model: torch.nn.Module,
+    selection: str | list[str] = "auto",
+    exclude: dict[str, str] | None = None,
+    *,
+    recomputing: Callable[[], bool] = _never,
 ) -> KernelPatch:
     """Swap Triton kernels into `model` (a transformers causal LM, optionally wrapped by peft).
 
     `exclude` maps kernel names the caller cannot use to the reason, reported in `skipped`.
+    `recomputing` says, at call time, whether gradient checkpointing is re-running a layer in backward
+    (`slimtune.memory.checkpointing.recomputing` for "unsloth"): lora_nf4 then skips the output nobody reads.
+    Passed in rather than imported, so the kernels do not depend on the checkpointing code.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
@@ -145,7 +157,10 @@ def apply_kernels(
         if name not in FAMILIES[family].kernels:
             patch.skipped[name] = f"{family}: {FAMILIES[family].eager[name]} (eager)"
             continue
-        result = _PATCHERS[name](base, family, patch)
+        patcher = _PATCHERS[name]
+        if name == "lora_nf4":  # the one kernel that reads the checkpointing state
+            patcher = functools.partial(_patch_lora_nf4, recomputing=recomputing)
+        result = patcher(base, family, patch)
         if isinstance(result, str):
             patch.skipped[name] = result
         else:
@@ -365,13 +380,13 @@ def _patch_fused_ce(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
     return 1
 
 
-def _patch_lora_nf4(base: torch.nn.Module, family: str, patch: KernelPatch) -> int | str:
+def _patch_lora_nf4(
+    base: torch.nn.Module, family: str, patch: KernelPatch, recomputing: Callable[[], bool] = _never
+) -> int | str:
     try:
         from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
     except ImportError:
         return "peft with bitsandbytes support is not installed"
-    from slimtune.memory.checkpointing import recomputing
-
     from .lora_linear import lora_nf4_linear
 
     def impl(mod, original, x, *args, layer_output: bool, **kwargs):

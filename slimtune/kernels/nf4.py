@@ -24,10 +24,10 @@ import triton.language as tl
 
 from ._launch import check_device
 from ._rounding import bf16_rtne_bits
+from .scratch import BUFFERS
 
 _BYTES_PER_PROGRAM = 1024  # 2048 outputs per program: 4 KiB of bf16 stores, enough to hide latency
 _BYTES_PER_PROGRAM_INTERPRETED = 16384  # the interpreter runs programs one by one: fewer, larger ones
-_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 @triton.jit
@@ -139,19 +139,14 @@ def dequantize_nf4_scratch(packed: torch.Tensor, quant_state, dtype: torch.dtype
     for s in shape:
         numel *= s
     key = (packed.device, dtype)
-    buf = _SCRATCH.get(key)
+    buf = BUFFERS.get(key)
     if buf is None or buf.numel() < numel:
-        _SCRATCH.pop(key, None)  # drop the old buffer before allocating the bigger one
-        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=packed.device)
+        BUFFERS.pop(key, None)  # drop the old buffer before allocating the bigger one
+        buf = BUFFERS[key] = torch.empty(numel, dtype=dtype, device=packed.device)
     view = buf[:numel].view(shape)
     if dtype == quant_state.dtype:
         return dequantize_nf4(packed, quant_state, out=view)
     return view.copy_(dequantize_nf4(packed, quant_state))
-
-
-def release_scratch() -> None:
-    """Free the scratch buffers (e.g. before merging, when the training step's memory is given back)."""
-    _SCRATCH.clear()
 
 
 def reference_dequantize_nf4(packed: torch.Tensor, quant_state) -> torch.Tensor:

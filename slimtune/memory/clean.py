@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 import gc
-import sys
+from collections.abc import Callable, Iterable
 
 import torch
 
 
-def clean_memory(passes: int = 3) -> int:
+def clean_memory(passes: int = 3, *, release: Iterable[Callable[[], None]] = ()) -> int:
     """Collect garbage and return cached CUDA blocks, `passes` times, then reset peak stats.
 
     Several passes because one `gc.collect()` can only free what is unreachable now: objects whose
     finalizers drop the last reference to other cycles (hooks, peft wrappers, optimizer state) become
     collectable on the next pass, and `empty_cache` can only return blocks freed before it runs.
 
+    Args:
+        release: frees module-level state the caller knows of (the kernels' scratch buffers, which
+            `cleanup` passes: `slimtune.kernels.scratch.release_scratch`), called before collecting.
+
     Returns:
         Bytes still allocated by torch on the current CUDA device afterwards (0 without CUDA), so
         callers can compare with a baseline.
     """
-    # The NF4 kernel's dequantization scratch (the largest weight of the model, e.g. 112 MiB for an 8B)
-    # is module state, not model state: drop it too. Only if loaded: importing it would import triton.
-    nf4 = sys.modules.get("slimtune.kernels.nf4")
-    if nf4 is not None:
-        nf4.release_scratch()
+    for free in release:
+        free()
     # Skipping uninitialised CUDA avoids creating a ~500 MiB context just to clean it.
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     for _ in range(passes):

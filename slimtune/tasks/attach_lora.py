@@ -10,7 +10,7 @@ import torch
 from slimtune import registry
 from slimtune.families import lora_target_modules
 from slimtune.kernels import apply_kernels
-from slimtune.memory.checkpointing import enable_checkpointing
+from slimtune.memory.checkpointing import enable_checkpointing, recomputing
 from slimtune.spec import PipelineSpec
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
         peft_model,
         spec.train.kernels,  # logs what it applied and skipped, and why
         exclude=ddp if spec.train.num_gpus > 1 else None,
+        recomputing=recomputing,  # "unsloth" checkpointing's recompute: lora_nf4 skips the unread output
     )
     registry.replace(handle, peft_model)
     # The checkpointing handle holds pinned host buffers, the kernel patch the patched modules (and a

@@ -22,7 +22,7 @@ from slimtune.export import (
 )
 from slimtune.export.gguf_adapter import ADAPTER_GGUF_SUFFIX, convert_adapter_to_gguf, verify_adapter_gguf
 from slimtune.export.model_card import base_license
-from slimtune.model_source import local_model_dir, read_config
+from slimtune.run_plan import RunPlan, plan_for
 from slimtune.spec import PipelineSpec
 
 log = logging.getLogger(__name__)
@@ -71,12 +71,12 @@ def _convert(spec: PipelineSpec, merged_dir: Path, out_dir: Path) -> list[Path]:
 LORA_FACTS = ("r", "alpha", "dropout", "target_modules", "use_rslora")
 
 
-def card_license(spec: PipelineSpec) -> str | None:
-    """The license for the cards: the base model's own when its card names one, else export.license."""
-    return base_license(local_model_dir(spec.model)) or spec.export.license
+def card_license(spec: PipelineSpec, model_dir: str) -> str | None:
+    """The license for the cards: the base model's own (in `model_dir`) when its card names one, else export.license."""
+    return base_license(Path(model_dir)) or spec.export.license
 
 
-def _card(spec: PipelineSpec, merged_dir: Path, files: list[Path], summary: dict) -> tuple[str, str]:
+def _card(spec: PipelineSpec, plan: RunPlan, merged_dir: Path, files: list[Path], summary: dict) -> tuple[str, str]:
     tok_cfg = (
         json.loads((merged_dir / "tokenizer_config.json").read_text())
         if (merged_dir / "tokenizer_config.json").exists()
@@ -94,7 +94,7 @@ def _card(spec: PipelineSpec, merged_dir: Path, files: list[Path], summary: dict
         datasets=spec.data.files(),
         lora={k: summary["spec"]["lora"][k] for k in LORA_FACTS},
         metrics=summary.get("train"),
-        license_id=card_license(spec),
+        license_id=card_license(spec, plan.model_dir),
     )
     eos, bos = tok_cfg.get("eos_token"), tok_cfg.get("bos_token")
     modelfile = render_modelfile(
@@ -111,12 +111,14 @@ def adapter_gguf_name(spec: PipelineSpec) -> str:
     return f"{spec.name}{ADAPTER_GGUF_SUFFIX}"
 
 
-def _adapter_gguf(spec: PipelineSpec, merged_dir: Path, adapter_dir: Path, out_dir: Path, files: list[Path]) -> dict:
+def _adapter_gguf(
+    spec: PipelineSpec, plan: RunPlan, merged_dir: Path, adapter_dir: Path, out_dir: Path, files: list[Path]
+) -> dict:
     """Write the adapter GGUF; verify llama.cpp's base f16 + adapter against the merged f16 GGUF."""
     from transformers import AutoTokenizer
 
-    base_dir = local_model_dir(spec.model)
-    path = convert_adapter_to_gguf(adapter_dir, read_config(base_dir), out_dir / adapter_gguf_name(spec))
+    base_dir = Path(plan.model_dir)
+    path = convert_adapter_to_gguf(adapter_dir, plan.config, out_dir / adapter_gguf_name(spec))
     record: dict = {"file": path.name, "bytes": path.stat().st_size}
     if not spec.export.verify:
         return record
@@ -137,8 +139,15 @@ def _adapter_gguf(spec: PipelineSpec, merged_dir: Path, adapter_dir: Path, out_d
     return record
 
 
-def gguf_convert_and_push(spec: PipelineSpec, merged_dir: Path, adapter_dir: Path, summary: dict) -> ExportResult:
-    """Convert, verify each file against the merged model, write card + Modelfile, push if asked."""
+def gguf_convert_and_push(
+    spec: PipelineSpec, merged_dir: Path, adapter_dir: Path, summary: dict, plan: RunPlan | None = None
+) -> ExportResult:
+    """Convert, verify each file against the merged model, write card + Modelfile, push if asked.
+
+    Args:
+        plan: the flow's run plan (the base model's folder and config); resolved here when called on its own.
+    """
+    plan = plan_for(spec, plan)
     out_dir = spec.run_dir() / "gguf"
     out_dir.mkdir(parents=True, exist_ok=True)
     files = _convert(spec, merged_dir, out_dir)
@@ -153,9 +162,9 @@ def gguf_convert_and_push(spec: PipelineSpec, merged_dir: Path, adapter_dir: Pat
             result.verification[f.name] = verify_gguf(f, merged_dir, VERIFY_PROMPTS)
             log.info("verified %s: %s", f.name, result.verification[f.name])
     if spec.export.adapter_gguf:
-        result.adapter = _adapter_gguf(spec, merged_dir, adapter_dir, out_dir, files)
+        result.adapter = _adapter_gguf(spec, plan, merged_dir, adapter_dir, out_dir, files)
         log.info("adapter GGUF: %s", result.adapter)
-    card, modelfile = _card(spec, merged_dir, files, summary)
+    card, modelfile = _card(spec, plan, merged_dir, files, summary)
     atomic.write_text(out_dir / "README.md", card)
     atomic.write_text(out_dir / "Modelfile", modelfile)
     push = spec.export.push

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from slimtune import registry
-from slimtune.device import resolve_compute_dtype, resolve_device
 from slimtune.families import FAMILIES
 from slimtune.memory import max_memory_with_headroom
 from slimtune.merge.nf4 import TRAINING_NF4
-from slimtune.model_source import check_model_dir, local_model_dir
+from slimtune.run_plan import RunPlan, plan_for
 from slimtune.spec import PipelineSpec
 
 log = logging.getLogger(__name__)
@@ -66,15 +66,17 @@ def keep_training_layout(model: torch.nn.Module) -> int:
     return len(linears)
 
 
-def load_4bit(spec: PipelineSpec) -> LoadResult:
-    """Load the base model quantized to NF4 (double quant) and register it; returns its handle."""
+def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
+    """Load the base model quantized to NF4 (double quant) and register it; returns its handle.
+
+    Args:
+        plan: the flow's run plan (model folder, device, dtype); resolved here when called on its own.
+    """
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
 
-    model_dir = local_model_dir(spec.model)
-    cfg = check_model_dir(spec.model, model_dir)
-    device = resolve_device(spec.model.device)
-    dtype = resolve_compute_dtype(spec.model.compute_dtype, device)
+    plan = plan_for(spec, plan)
+    model_dir, device, dtype = Path(plan.model_dir), plan.torch_device, plan.dtype
     quant = TRAINING_NF4.bnb_config(dtype)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
@@ -84,7 +86,7 @@ def load_4bit(spec: PipelineSpec) -> LoadResult:
         max_memory=max_memory_with_headroom(str(device)),
         trust_remote_code=spec.model.trust_remote_code,
         use_safetensors=not spec.model.allow_pickle or None,
-        attn_implementation=_attn_implementation(spec.model.attn_implementation, cfg["model_type"]),
+        attn_implementation=_attn_implementation(spec.model.attn_implementation, plan.family),
     )
     model.config.use_cache = False
     n4 = keep_training_layout(model)
@@ -94,13 +96,13 @@ def load_4bit(spec: PipelineSpec) -> LoadResult:
             f"{bnb.__version__} may not support this device ({device})"
         )
     handle = registry.put("model", model)
-    log.info("loaded %s (%s) in NF4 on %s: %d 4-bit linears", model_dir, cfg["model_type"], device, n4)
+    log.info("loaded %s (%s) in NF4 on %s: %d 4-bit linears", model_dir, plan.family, device, n4)
     return LoadResult(
         handle=handle,
         model_dir=str(model_dir),
-        model_type=cfg["model_type"],
+        model_type=plan.family,
         device=str(device),
-        compute_dtype=str(dtype).removeprefix("torch."),
+        compute_dtype=plan.compute_dtype,
         linear_4bit=n4,
         parameters=sum(p.numel() for p in model.parameters()),
     )

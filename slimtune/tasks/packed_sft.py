@@ -10,6 +10,7 @@ import torch
 from slimtune import registry
 from slimtune.export.model_card import write_adapter_card
 from slimtune.memory.checkpointing import enable_checkpointing
+from slimtune.run_plan import RunPlan, plan_for
 from slimtune.spec import PipelineSpec
 from slimtune.train import TrainReport, train_adapter
 
@@ -44,8 +45,13 @@ def packed_sft(
     micro_batch_size: int,
     gradient_accumulation_steps: int,
     gradient_checkpointing: bool | str,
+    plan: RunPlan | None = None,
 ) -> TrainReport:
-    """Train the LoRA adapter; micro-batch, accumulation and checkpointing may be downshifted by the guard."""
+    """Train the LoRA adapter; micro-batch, accumulation and checkpointing may be downshifted by the guard.
+
+    Args:
+        plan: the flow's run plan (the adapter card names the base model's license); resolved when not given.
+    """
     model = registry.get(model_handle)
     current = registry.get(checkpointing_handle)
     if current.mode != gradient_checkpointing:
@@ -70,11 +76,11 @@ def packed_sft(
         micro_batch_size=micro_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps,
     )
-    describe_adapter(spec, report)
+    describe_adapter(spec, report, plan_for(spec, plan))
     return report
 
 
-def describe_adapter(spec: PipelineSpec, report: TrainReport) -> None:
+def describe_adapter(spec: PipelineSpec, report: TrainReport, plan: RunPlan) -> None:
     """The adapter's own model card, and its base named by Hub id rather than the local cache path peft saw."""
     from slimtune.tasks.gguf_convert_and_push import LORA_FACTS, card_license
 
@@ -89,6 +95,6 @@ def describe_adapter(spec: PipelineSpec, report: TrainReport) -> None:
             "eval_loss_after": report.eval_loss_after,
             "tokens_seen": report.tokens_seen,
         },
-        license_id=card_license(spec),
+        license_id=card_license(spec, plan.model_dir),
         name=spec.name,
     )

@@ -114,12 +114,18 @@ class _Meter:
 
 
 class _SlimTrainer(Trainer):
-    """Trainer with token accounting and checkpoints published atomically (see `checkpoints`)."""
+    """Trainer with token accounting; `_PublishCheckpoint` publishes its checkpoints atomically.
+
+    Only Trainer's public API is used for checkpoints (TrainingArguments.output_dir, the on_save callback,
+    `train(resume_from_checkpoint=...)`): overriding its private `_save_checkpoint` / `_get_output_dir`
+    tied resume to one transformers release's internals. Owning the training loop (as torchtune and litgpt
+    do) was weighed and not taken: Trainer's accumulation, schedules, mixed precision, resume with data
+    skipping and its trackers are what this module relies on; all would have to be re-written and re-tested.
+    """
 
     def __init__(self, *args, checkpoint_state: dict, **kwargs):
         super().__init__(*args, **kwargs)
         self.checkpoint_state = checkpoint_state
-        self._staging: Path | None = None
         self.meter = _Meter()
         # Training seconds before this call (from the resumed checkpoint) and when this call's training began,
         # so each checkpoint records the training time of the whole run, across resumes.
@@ -140,39 +146,6 @@ class _SlimTrainer(Trainer):
         super().create_accelerator_and_postprocess()
         self.accelerator.device_placement = False
 
-    def _get_output_dir(self, trial) -> str:
-        # While saving, Trainer writes (and rotates) inside the staging folder instead of the real one.
-        return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        if not self.args.should_save:
-            # Under DDP rank 0 alone writes checkpoints: the LoRA weights and optimizer state are identical
-            # on every rank (all-reduced gradients); a second writer would race on the staging folder. The
-            # other ranks still join store_flos, the one collective in Trainer._save_checkpoint (5.23).
-            self.store_flos()
-            return
-        root = Path(self.args.output_dir)
-        staging = root / checkpoints.STAGING
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        self._staging = staging
-        try:
-            super()._save_checkpoint(model, trial)
-            staged = staging / f"checkpoint-{self.state.global_step}"
-            checkpoints.commit(
-                staged,
-                root,
-                {**self.checkpoint_state, "step": self.state.global_step, "train_seconds": self.training_seconds()},
-                keep=self.args.save_total_limit or 1,
-            )
-        except Exception as e:
-            if not checkpoints.is_disk_full(e):
-                raise
-            raise OSError(errno.ENOSPC, checkpoints.write_failure(root, model, e)) from e
-        finally:
-            self._staging = None
-            shutil.rmtree(staging, ignore_errors=True)
-
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.meter.add(*inputs.pop(TOKEN_COUNTS_KEY, (0, 0)))
         return super().training_step(model, inputs, num_items_in_batch)
@@ -191,6 +164,28 @@ class _SlimTrainer(Trainer):
                 padding_waste=1 - tokens / max(slots, 1),
             )
         super().log(logs, start_time)
+
+
+class _PublishCheckpoint(TrainerCallback):
+    """Publishes each checkpoint Trainer just wrote: our state and the COMPLETE marker, then one rename.
+
+    Trainer's output_dir is the staging folder (`checkpoints.STAGING`), so it writes `checkpoint-N` there,
+    file by file, and then calls `on_save`; only here does the checkpoint reach `root`, where resume looks.
+    """
+
+    def __init__(self, trainer: _SlimTrainer, root: Path) -> None:
+        self.trainer = trainer
+        self.root = root
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        if args.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every rank's files (its RNG state) are in before the rename
+        if not args.should_save:  # under DDP rank 0 alone publishes
+            return
+        staged = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        seconds = self.trainer.training_seconds()
+        ours = {**self.trainer.checkpoint_state, "step": state.global_step, "train_seconds": seconds}
+        checkpoints.commit(staged, self.root, ours, keep=args.save_total_limit or 1)
 
 
 class _EvalBefore(TrainerCallback):
@@ -297,12 +292,21 @@ def train_adapter(
         # silently diverge: verified with 2 gloo ranks, transformers 5.23 + accelerate).
         trainer.args.eval_on_start = resume_from is None and bool(eval_rows)
         trainer.add_callback(_EvalBefore(trainer))
+        trainer.add_callback(_PublishCheckpoint(trainer, ckpt_root))
         began = trainer.began = time.perf_counter()
         trainer.seconds_before = seconds_before
         if resume_from is not None and _finished(resume_from):
             _restore_finished(trainer, model, resume_from)
         else:
-            trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+            try:
+                trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+            except Exception as e:
+                if not checkpoints.is_disk_full(e):  # the checkpoints are training's only large writes
+                    raise
+                raise OSError(errno.ENOSPC, checkpoints.write_failure(ckpt_root, model, e)) from e
+            finally:
+                if args.should_save:  # what a failed save left half-written never reaches ckpt_root
+                    shutil.rmtree(ckpt_root / checkpoints.STAGING, ignore_errors=True)
         train_seconds = time.perf_counter() - began
         # MLflow's run ended with training: a later log would start a second, implicit run, and end it
         # (at exit) in ./mlflow.db of the working directory (seen).
@@ -464,7 +468,7 @@ def _arguments(
     evaluate = has_eval and train.eval_steps is not None
     return _OneDeviceArguments(
         train_device=str(device) if device.type == "cuda" else None,
-        output_dir=str(output_dir),
+        output_dir=str(output_dir / checkpoints.STAGING),  # `_PublishCheckpoint` moves each one to output_dir
         per_device_train_batch_size=micro_batch_size,
         per_device_eval_batch_size=micro_batch_size,
         gradient_accumulation_steps=accumulation,

@@ -16,7 +16,7 @@ import slimtune.merge.run as merge_run
 import slimtune.tasks.gguf_convert_and_push as gguf_task_mod
 from slimtune import registry
 from slimtune.flows.stages import dequant_merge_task, packed_sft_task
-from slimtune.model_source import local_model_dir
+from slimtune.run_plan import resolve_plan
 from slimtune.spec import parse_spec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
@@ -40,8 +40,9 @@ def _clear(message: str, path) -> bool:
 def test_disk_full_during_checkpoint(small_disk, observe):
     disk = small_disk(64 * _MIB)
     spec = parse_spec(spec_dict(disk, train={"max_steps": 2, "save_steps": 2}))
-    examples = prepare_data(spec, str(local_model_dir(spec.model)))
-    lora = attach_lora(spec, load_4bit(spec).handle)
+    plan = resolve_plan(spec)
+    examples = prepare_data(spec, plan.model_dir)
+    lora = attach_lora(spec, load_4bit(spec, plan).handle)
     real = _SlimTrainer._save_checkpoint
 
     def save_on_full_disk(self, model, trial):
@@ -51,7 +52,7 @@ def test_disk_full_during_checkpoint(small_disk, observe):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_SlimTrainer, "_save_checkpoint", save_on_full_disk)
         with pytest.raises(Exception) as err:
-            packed_sft_task.fn(spec, lora.handle, lora.checkpointing_handle, examples)
+            packed_sft_task.fn(spec, plan, lora.handle, lora.checkpointing_handle, examples)
     registry.release_all()
     message = f"{type(err.value).__name__}: {err.value}"
     observe(message.replace(str(disk), "…")[:160])
@@ -77,7 +78,7 @@ def test_disk_full_during_merge(small_disk, reference_run, observe):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(merge_run, "merge_shards", merge_on_full_disk)
         with pytest.raises(Exception) as err:
-            dequant_merge_task.fn(spec, str(reference_run["run_dir"] / "adapter"))
+            dequant_merge_task.fn(spec, resolve_plan(spec), str(reference_run["run_dir"] / "adapter"))
     message = str(err.value)
     observe(f"{type(err.value).__name__}: {message.replace(str(disk), '…')[:160]}")
     assert type(err.value).__name__ == "DiskSpaceError" and _clear(message, disk), message
@@ -94,7 +95,7 @@ def test_disk_too_small_for_merge(small_disk, reference_run, observe):
     disk = small_disk(4 * _MIB)
     spec = parse_spec(spec_dict(disk))
     with pytest.raises(Exception) as err:
-        dequant_merge_task.fn(spec, str(reference_run["run_dir"] / "adapter"))
+        dequant_merge_task.fn(spec, resolve_plan(spec), str(reference_run["run_dir"] / "adapter"))
     message = str(err.value)
     observe(f"{type(err.value).__name__}: {message.replace(str(disk), '…')[:160]}")
     assert _clear(message, disk), message

@@ -146,7 +146,7 @@ def test_unsloth_checkpointing_with_kernels_gives_the_same_lora_gradients(tiny_q
     """The recompute skips the base matmul of each layer's down_proj where its output is only added to the
     residual stream (llama, phi3), and computes it where a post-norm reads it (gemma2)."""
     from slimtune.kernels import lora_linear
-    from slimtune.memory.checkpointing import enable_checkpointing
+    from slimtune.memory.checkpointing import enable_checkpointing, recomputing
 
     model = tiny_qlora
     batch = _batch(model.get_base_model().config.vocab_size)
@@ -162,7 +162,7 @@ def test_unsloth_checkpointing_with_kernels_gives_the_same_lora_gradients(tiny_q
 
     monkeypatch.setattr(lora_linear._LoRANF4Fn, "apply", spy)
     handle = enable_checkpointing(model, "unsloth")
-    patch = apply_kernels(model, list(KERNEL_NAMES))
+    patch = apply_kernels(model, list(KERNEL_NAMES), recomputing=recomputing)
     try:
         out, grads = _step(model, batch)
     finally:

@@ -11,7 +11,8 @@ import bitsandbytes.functional as bnbf
 import pytest
 
 from slimtune.kernels.lora_linear import lora_nf4_linear, reference_lora_nf4_linear
-from slimtune.kernels.nf4 import dequantize_nf4, dequantize_nf4_scratch, release_scratch
+from slimtune.kernels.nf4 import dequantize_nf4, dequantize_nf4_scratch
+from slimtune.kernels.scratch import release_scratch
 
 
 def _quantize(shape, dtype, double_quant=True, seed=0):
