@@ -9,6 +9,7 @@ which `retry_on_memory_pressure` retries with a downshift; any other error passe
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -26,6 +27,8 @@ from slimtune.memory.downshift import current_attempt
 from slimtune.memory.errors import PreflightError, classify, memory_state, to_memory_pressure
 from slimtune.memory.estimate import Estimate
 from slimtune.memory.sampler import PeakSampler
+
+log = logging.getLogger(__name__)
 
 _GIB = 1024**3
 # bitsandbytes/accelerate place weights up to `max_memory`; the 10% kept back absorbs the
@@ -289,25 +292,53 @@ def ensure_gpu_limit(slot: str) -> None:
 
 
 @contextmanager
+def _host_gpu_lock(slot: str) -> Iterator[None]:
+    """An exclusive lock on `slot` among this machine's processes, freed by the kernel when its holder dies."""
+    import fcntl
+
+    from prefect.settings import PREFECT_HOME
+
+    path = Path(PREFECT_HOME.value()) / "slimtune" / f"{slot}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for the GPU: another run on this machine holds %s (%s)", slot, path)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextmanager
 def gpu_concurrency(slot: str = "gpu") -> Iterator[None]:
     """Hold one slot of the Prefect global concurrency limit `slot` while a stage uses the GPU.
 
-    The limit is created with one slot when missing (`ensure_gpu_limit`), so two flow runs on one
-    machine never share the GPU; raise it with `prefect gcl update gpu --limit N`. Outside a Prefect
-    run with no PREFECT_API_URL this is a no-op rather than starting a temporary server just to count
-    slots.
+    With a Prefect server (PREFECT_API_URL set) the limit is created with one slot when missing
+    (`ensure_gpu_limit`), so two flow runs never share the GPU; raise it with `prefect gcl update gpu
+    --limit N`. A run on a temporary server (`slimtune run` without PREFECT_API_URL) takes a lock file under
+    PREFECT_HOME instead: that server keeps its leases in its own memory and revokes none, so a run killed
+    outright (SIGKILL, the OOM killer) held its slot for good and the next run waited forever (seen: over
+    5 minutes, until killed); the kernel frees a file lock when its holder dies. Outside a Prefect run with
+    no PREFECT_API_URL this is a no-op rather than starting a temporary server just to count slots.
     """
     from prefect.context import FlowRunContext, TaskRunContext
     from prefect.settings import PREFECT_API_URL
 
-    if FlowRunContext.get() is None and TaskRunContext.get() is None and not PREFECT_API_URL.value():
-        yield
+    if not PREFECT_API_URL.value():
+        if FlowRunContext.get() is None and TaskRunContext.get() is None:
+            yield
+            return
+        with _host_gpu_lock(slot):
+            yield
         return
     from prefect.concurrency.sync import concurrency
 
     ensure_gpu_limit(slot)
-    # The holder renews its lease while it runs; a run killed outright (SIGKILL, the OOM killer) cannot
-    # release its slot, so the lease is what frees it: 60 s rather than Prefect's default 300 s keeps the
-    # re-submitted run (or the next queued one) from waiting five minutes on a dead process.
+    # The holder renews its lease while it runs; a run killed outright cannot release its slot, so the
+    # lease is what frees it (the server's repossessor revokes it): 60 s rather than Prefect's default 300 s
+    # keeps the re-submitted run (or the next queued one) from waiting five minutes on a dead process.
     with concurrency(slot, occupy=1, strict=False, lease_duration=_GPU_LEASE_S):
         yield
