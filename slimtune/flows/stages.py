@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from slimtune import atomic
 from slimtune.charts import publish_memory_chart
 from slimtune.device import resolve_compute_dtype, resolve_device
+from slimtune.flows import ranks
 from slimtune.kernels.apply import expected_kernels
 from slimtune.memory import (
     Estimate,
@@ -45,7 +46,6 @@ from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 from slimtune.tasks.load_4bit import load_4bit
 from slimtune.tasks.packed_sft import packed_sft
-from slimtune.train import ddp
 
 log = logging.getLogger(__name__)
 STAGES = ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push")
@@ -142,21 +142,25 @@ def train_estimate(
 @_task("load_4bit", "load_4bit [{spec.name}]")
 def load_4bit_task(spec: PipelineSpec) -> dict:
     """Load the base model in NF4; the model stays in the process registry."""
-    if spec.train.num_gpus > 1:
-        return ddp.deferred("load_4bit", spec)
-    cfg = read_config(local_model_dir(spec.model))
-    dtype = resolve_compute_dtype(spec.model.compute_dtype, resolve_device(spec.model.device))
-    with _guard("load_4bit", spec, estimate_load_4bit(cfg, compute_dtype_bytes=dtype.itemsize)):
-        return load_4bit(spec).to_dict()
+
+    def here() -> dict:
+        cfg = read_config(local_model_dir(spec.model))
+        dtype = resolve_compute_dtype(spec.model.compute_dtype, resolve_device(spec.model.device))
+        with _guard("load_4bit", spec, estimate_load_4bit(cfg, compute_dtype_bytes=dtype.itemsize)):
+            return load_4bit(spec).to_dict()
+
+    return ranks.run_stage(spec, "load_4bit", here)
 
 
 @_task("attach_lora", "attach_lora [{spec.name}]")
 def attach_lora_task(spec: PipelineSpec, handle: str | None) -> dict:
     """Attach LoRA and the chosen gradient checkpointing."""
-    if spec.train.num_gpus > 1:
-        return ddp.deferred("attach_lora", spec)
-    with _guard("attach_lora", spec, None):
-        return attach_lora(spec, handle).to_dict()
+
+    def here() -> dict:
+        with _guard("attach_lora", spec, None):
+            return attach_lora(spec, handle).to_dict()
+
+    return ranks.run_stage(spec, "attach_lora", here)
 
 
 @_task("packed_sft", "packed_sft [{spec.name}]")
@@ -175,24 +179,18 @@ def packed_sft_task(
     for note in shift.notes:
         log.warning("packed_sft downshift: %s", note)
     est = train_estimate(spec, cfg, shift.micro_batch, shift.checkpointing)
-    with _guard("packed_sft", spec, est, shift.notes):
-        if spec.train.num_gpus > 1:  # torchrun workers load, attach and train; rank 0 writes
-            return ddp.launch(
-                spec,
-                micro_batch_size=shift.micro_batch,
-                gradient_accumulation_steps=shift.grad_accum,
-                gradient_checkpointing=shift.checkpointing,
-            )
-        report = packed_sft(
-            spec,
-            handle,
-            checkpointing_handle,
-            examples_handle,
-            micro_batch_size=shift.micro_batch,
-            gradient_accumulation_steps=shift.grad_accum,
-            gradient_checkpointing=shift.checkpointing,
-        )
+    batch = {
+        "micro_batch_size": shift.micro_batch,
+        "gradient_accumulation_steps": shift.grad_accum,
+        "gradient_checkpointing": shift.checkpointing,
+    }
+
+    def here() -> dict:
+        report = packed_sft(spec, handle, checkpointing_handle, examples_handle, **batch)
         return {**asdict(report), "micro_batch_auto": chosen}
+
+    with _guard("packed_sft", spec, est, shift.notes):
+        return ranks.run_stage(spec, "packed_sft", here, **batch)
 
 
 @_task("cleanup", "cleanup [{spec.name}]")

@@ -90,6 +90,9 @@ class TrainReport:
     run_id: str | None = None  # the Prefect flow run that trained (None outside Prefect)
     finished_at: str | None = None  # UTC, ISO 8601
     reused_from: str | None = None  # run_id (or finished_at) of the run whose results a 0-step re-run reuses
+    # This process's share of each logged loss: under DDP the logged loss is the mean of the ranks' shares
+    # (each rank's summed token losses x world size / the whole step's target tokens); one process: = losses.
+    rank_losses: list[float] = field(default_factory=list)
 
 
 class _Meter:
@@ -125,6 +128,10 @@ class _SlimTrainer(Trainer):
         # so each checkpoint records the training time of the whole run, across resumes.
         self.seconds_before = 0.0
         self.began = time.perf_counter()
+        # This rank's own loss since the last log line, kept on the device (no host sync per step).
+        self._own_loss: torch.Tensor | None = None
+        self._own_since = 0
+        self.rank_losses: list[torch.Tensor] = []
 
     def training_seconds(self) -> float:
         return self.seconds_before + time.perf_counter() - self.began
@@ -175,7 +182,9 @@ class _SlimTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.meter.add(*inputs.pop(TOKEN_COUNTS_KEY, (0, 0)))
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._own_loss = loss.detach() if self._own_loss is None else self._own_loss + loss.detach()
+        return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs.pop(TOKEN_COUNTS_KEY, None)
@@ -183,7 +192,14 @@ class _SlimTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
+            if self._own_loss is not None:  # Trainer logs tr_loss / steps since its last log; the same here
+                self.rank_losses.append(self._own_loss / max(self.state.global_step - self._own_since, 1))
+            self._own_loss, self._own_since = None, self.state.global_step
             tokens, slots, seconds = self.meter.flush()
+            if self.args.world_size > 1:  # every rank's tokens: the logged tokens/s is the run's, not rank 0's
+                counts = torch.tensor([tokens, slots], dtype=torch.float64, device=self.args.device)
+                torch.distributed.all_reduce(counts)  # one small collective per log line, as Trainer's loss gather
+                tokens, slots = (int(c) for c in counts.tolist())
             before = next((e["tokens"] for e in reversed(self.state.log_history) if "tokens" in e), 0)
             logs.update(
                 tokens=before + tokens,
@@ -246,6 +262,7 @@ def train_adapter(
         optim,
         device,
         has_eval=bool(eval_rows),
+        bucket_cap_mb=ddp_bucket_cap_mb(model),
     )
     effective_batch = micro_batch_size * gradient_accumulation_steps * args.world_size
     settings = _settings(train, data, effective_batch, batching.mode, model)
@@ -320,8 +337,15 @@ def train_adapter(
     if trainer.is_world_process_zero():  # under DDP rank 0 alone writes the adapter and the report
         _save_adapter(model, tokenizer, adapter_dir)
     history = trainer.state.log_history
-    losses = [
-        {"step": e["step"], "loss": e["loss"], "learning_rate": e.get("learning_rate")} for e in history if "loss" in e
+    losses = [  # tokens/s per logged step (all ranks under DDP): the steady rate, without startup and evals
+        {
+            "step": e["step"],
+            "loss": e["loss"],
+            "learning_rate": e.get("learning_rate"),
+            "tokens_per_s": e.get("tokens_per_s"),
+        }
+        for e in history
+        if "loss" in e
     ]
     trained = [e for e in history if "tokens_per_s" in e]
     report = TrainReport(
@@ -345,6 +369,7 @@ def train_adapter(
         precision=precision,
         adapter_dir=str(adapter_dir),
         data=examples.summary(),
+        rank_losses=[float(v) for v in torch.stack(trainer.rank_losses).tolist()] if trainer.rank_losses else [],
         perplexity_before=perplexity(eval_before),
         perplexity_after=perplexity(eval_after),
     )
@@ -460,6 +485,7 @@ def _arguments(
     device: torch.device,
     *,
     has_eval: bool,
+    bucket_cap_mb: int,
 ) -> TrainingArguments:
     evaluate = has_eval and train.eval_steps is not None
     return _OneDeviceArguments(
@@ -492,12 +518,33 @@ def _arguments(
         use_cpu=device.type == "cpu",
         report_to=list(train.report_to) or "none",
         run_name=output_dir.parent.name,
-        ddp_find_unused_parameters=False,  # every LoRA weight is used every step
+        # DDP (ignored by a one-process run). Every LoRA weight is used every step, in the same order: no
+        # search for unused parameters, and a static graph (DDP then also accepts the reentrant, offloaded
+        # checkpointing, which re-runs each layer's forward inside backward). Trainer already skips the
+        # all-reduce on the micro-batches before the last of an accumulation window (accelerator.no_sync).
+        ddp_find_unused_parameters=False,
+        ddp_static_graph=True,
+        ddp_bucket_cap_mb=bucket_cap_mb,
+        # The loss of a step is normalised by the target tokens of all ranks (gathered), and each rank's loss
+        # is scaled by the world size, so the gradient mean and the logged mean across ranks are the global
+        # token mean: the logged loss of N ranks equals one process's on the same rows (tests/test_ddp.py).
+        average_tokens_across_devices=True,
         remove_unused_columns=False,
         label_names=["labels"],
         dataloader_num_workers=0,
         include_num_input_tokens_seen="no",
     )
+
+
+def ddp_bucket_cap_mb(model: torch.nn.Module) -> int:
+    """DDP's gradient bucket size for this model's trainable (LoRA) weights: about 8 buckets, 1-25 MB.
+
+    DDP's default 25 MB buckets are sized for full fine-tuning (GBs of gradients). LoRA's are small (8B,
+    r=16, all 7 projections: 42M fp32 values, 168 MB), so ~8 buckets let each all-reduce start while the
+    backward of the earlier layers still runs; below 1 MB the per-collective launch cost dominates.
+    """
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return max(1, min(25, round(grad_bytes / 8 / 2**20)))
 
 
 def _canonical(value: object) -> object:

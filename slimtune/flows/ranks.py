@@ -1,8 +1,9 @@
-"""Data-parallel training on one host: the packed_sft stage run as `torchrun` workers (DDP).
+"""Where a stage runs: in the flow process (one GPU), or on `torchrun` ranks (`train.num_gpus > 1`).
 
+This is the one place a run leaves the flow process, and the flow owns it (train/ knows nothing of tasks).
 DDP needs one process per GPU, and the flow process must stay one process (Prefect's task runs, the
 registry, the memory guard live there). So when `train.num_gpus > 1` the packed_sft task writes a job
-file and runs `torchrun --standalone --nproc-per-node N -m slimtune.train.ddp JOB`; every rank loads
+file and runs `torchrun --standalone --nproc-per-node N -m slimtune.flows JOB`; every rank loads
 its own NF4 copy onto its own GPU (device_map={"": local_rank}), attaches LoRA and trains, and
 Trainer wraps the model in DistributedDataParallel so only the LoRA gradients are all-reduced. The
 flow process loads no model for such a run: `deferred` is what its load_4bit and attach_lora tasks
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,6 +38,20 @@ log = logging.getLogger(__name__)
 RESULT_FILE = "result.json"
 # Lines of the workers' output kept for the error message of a failed launch.
 _TAIL_LINES = 40
+
+
+def run_stage(spec: PipelineSpec, stage: str, here: Callable[[], dict], **train_args: int | bool | str) -> dict:
+    """The one `num_gpus` branch: `here()` in this process for one GPU; on the ranks for several.
+
+    With several GPUs, load_4bit and attach_lora are `deferred` (each rank does them itself) and
+    packed_sft `launch`es the ranks with `train_args` (micro_batch_size, gradient_accumulation_steps,
+    gradient_checkpointing).
+    """
+    if spec.train.num_gpus == 1:
+        return here()
+    if stage == "packed_sft":
+        return launch(spec, **train_args)
+    return deferred(stage, spec)
 
 
 def deferred(stage: str, spec: PipelineSpec) -> dict:
@@ -112,7 +128,7 @@ def launch(
             "--standalone",
             f"--nproc-per-node={nproc}",
             "-m",
-            "slimtune.train.ddp",
+            "slimtune.flows",
             str(job_dir),
         ]
         log.info("launching %d DDP workers (%s): %s", nproc, backend, " ".join(cmd))
@@ -193,7 +209,7 @@ def _train_rank(job: dict, local_rank: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of one torchrun worker: `python -m slimtune.train.ddp JOB_DIR`."""
+    """Entry point of one torchrun worker: `python -m slimtune.flows JOB_DIR`."""
     import torch.distributed as dist
 
     from slimtune import atomic
@@ -205,7 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         job = json.loads((job_dir / "job.json").read_text(encoding="utf-8"))
         report = _train_rank(job, local_rank)
         # Trainer has set up the process group; gather every rank's throughput for the scaling report.
-        mine = {"rank": rank, "tokens_per_s": report["tokens_per_s"], "tokens_seen": report["tokens_seen"]}
+        # `rank_losses`: this rank's share of each logged loss; the logged loss is their mean (see the trainer).
+        mine = {
+            "rank": rank,
+            "tokens_per_s": report["tokens_per_s"],
+            "tokens_seen": report["tokens_seen"],
+            "losses": report["rank_losses"],
+        }
         ranks: list = [None] * world
         dist.all_gather_object(ranks, mine)
         if rank == 0:  # flat keys: the run report renders them as rows of the packed_sft table
@@ -234,7 +256,3 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
