@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 
     began = time.perf_counter()
     single = _single(_spec(model_dir, data, work / "runs", "single", 1, args))
+    out.mkdir(parents=True, exist_ok=True)  # kept if the DDP run does not finish within a time limit
+    (out / "ddp_bench.single.json").write_text(json.dumps(single, indent=2, default=str))
     spec = _spec(model_dir, data, work / "runs", "ddp", args.gpus, args)
     multi = ranks.launch(
         spec, micro_batch_size=args.micro, gradient_accumulation_steps=1, gradient_checkpointing="unsloth"

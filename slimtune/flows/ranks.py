@@ -69,6 +69,12 @@ def check_devices(spec: PipelineSpec) -> str:
     """The torch.distributed backend for this spec: nccl on GPUs, gloo on the CPU; clear errors otherwise."""
     n = spec.train.num_gpus
     device = spec.model.device
+    if device == "cpu" and spec.train.parallelism == "fsdp":
+        # accelerate turns FSDP on only for GPU backends: on the CPU the ranks would silently run DDP.
+        raise ValueError(
+            f"train.parallelism fsdp with model.device cpu: FSDP runs on GPUs only (accelerate enables it for "
+            f"GPU backends); use train.parallelism: ddp to run the {n} workers on the CPU"
+        )
     if device == "cpu":
         return "gloo"
     if device.startswith("cuda:"):

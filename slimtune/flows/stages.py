@@ -40,7 +40,7 @@ from slimtune.memory.guard import gpu_shortfalls
 from slimtune.model_source import local_model_dir, read_config
 from slimtune.plan import auto_micro_batch
 from slimtune.spec import PipelineSpec
-from slimtune.tasks.attach_lora import attach_lora
+from slimtune.tasks.attach_lora import MULTI_GPU_EXCLUDED_KERNELS, attach_lora
 from slimtune.tasks.cleanup import cleanup
 from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
@@ -133,9 +133,14 @@ def train_estimate(
         target_modules=spec.lora.target_modules,
         checkpointing=checkpointing,
         optimizer_bytes_per_param=_OPTIMIZER_BYTES.get(spec.train.optimizer, 8),
-        kernels=expected_kernels(spec.train.kernels, device_type, cfg.get("model_type")),
+        kernels=[
+            k
+            for k in expected_kernels(spec.train.kernels, device_type, cfg.get("model_type"))
+            if spec.train.num_gpus == 1 or k not in MULTI_GPU_EXCLUDED_KERNELS
+        ],
         compute_dtype_bytes=dtype_bytes,
         on_gpu=device_type == "cuda",
+        shard_ranks=spec.train.num_gpus if spec.train.parallelism == "fsdp" else 1,  # per rank
     )
 
 

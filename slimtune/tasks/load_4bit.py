@@ -75,7 +75,8 @@ def load_4bit(spec: PipelineSpec) -> LoadResult:
     cfg = check_model_dir(spec.model, model_dir)
     device = resolve_device(spec.model.device)
     dtype = resolve_compute_dtype(spec.model.compute_dtype, device)
-    quant = TRAINING_NF4.bnb_config(dtype)
+    fsdp = spec.train.num_gpus > 1 and spec.train.parallelism == "fsdp"
+    quant = TRAINING_NF4.bnb_config(dtype, quant_storage=dtype if fsdp else None)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
         quantization_config=quant,

@@ -253,6 +253,7 @@ def train_adapter(
     precision = resolve_precision(train.precision, device)
     optim = resolve_optimizer(train.optimizer, device)
     ckpt_root = run_dir / "checkpoints"
+    fsdp = train.num_gpus > 1 and train.parallelism == "fsdp"
     args = _arguments(
         train,
         ckpt_root,
@@ -263,13 +264,20 @@ def train_adapter(
         device,
         has_eval=bool(eval_rows),
         bucket_cap_mb=ddp_bucket_cap_mb(model),
+        fsdp=fsdp,
     )
     effective_batch = micro_batch_size * gradient_accumulation_steps * args.world_size
     settings = _settings(train, data, effective_batch, batching.mode, model)
     fingerprint = _fingerprint(examples, settings)
     previous = _read_report(run_dir)
     with args.main_process_first(desc="checkpoint discovery"):  # rank 0 alone removes or moves old ones
-        resume_from, eval_before, not_resumed = _find_resume(ckpt_root, fingerprint, train.resume, settings)
+        resume_from, eval_before, not_resumed = _find_resume(
+            ckpt_root,
+            fingerprint,
+            train.resume and not fsdp,
+            settings,
+            off="train.parallelism is fsdp (FSDP runs neither write nor resume checkpoints yet)" if fsdp else None,
+        )
     if not not_resumed and _nothing_left(resume_from, previous, run_dir):
         # A same-name re-run of a finished spec: training is complete, so the results are the earlier run's.
         report = TrainReport(**previous)
@@ -334,8 +342,10 @@ def train_adapter(
         training_seconds = last_state["train_seconds"]
 
     adapter_dir = run_dir / "adapter"
-    if trainer.is_world_process_zero():  # under DDP rank 0 alone writes the adapter and the report
-        _save_adapter(model, tokenizer, adapter_dir)
+    # Under FSDP every rank holds a shard: all join the gather of the full state dict (rank 0 receives it).
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped) if fsdp else None
+    if trainer.is_world_process_zero():  # under DDP/FSDP rank 0 alone writes the adapter and the report
+        _save_adapter(model, tokenizer, adapter_dir, state)
     history = trainer.state.log_history
     losses = [  # tokens/s per logged step (all ranks under DDP): the steady rate, without startup and evals
         {
@@ -475,6 +485,23 @@ class _OneDeviceArguments(TrainingArguments):
         return mine
 
 
+# FSDP-QLoRA (train.parallelism: fsdp), as peft's and bitsandbytes' FSDP-QLoRA guides set it up: FSDP1 with
+# flat parameters (use_orig_params false), every decoder layer and every LoRA layer its own unit (Trainer
+# applies peft's wrap policy, and the 4-bit storage dtype as FSDP's mixed-precision dtype, when it sees a
+# PeftModel). Not FSDP2: fully_shard turns bitsandbytes' Params4bit into plain Parameters and drops their
+# quantization state (axolotl-ai-cloud/axolotl#2992). Every rank loaded the same weights and seeded the same
+# LoRA init, so no broadcast of rank 0's (sync_module_states), which bitsandbytes' FSDP support does not cover
+# (bitsandbytes#970). The adapter is gathered whole (FULL_STATE_DICT) for rank 0 to save.
+_FSDP_QLORA = {
+    "version": 1,
+    "reshard_after_forward": "full_shard",
+    "use_orig_params": False,
+    "sync_module_states": False,
+    "limit_all_gathers": True,
+    "state_dict_type": "FULL_STATE_DICT",
+}
+
+
 def _arguments(
     train: TrainSpec,
     output_dir: Path,
@@ -486,6 +513,7 @@ def _arguments(
     *,
     has_eval: bool,
     bucket_cap_mb: int,
+    fsdp: bool = False,
 ) -> TrainingArguments:
     evaluate = has_eval and train.eval_steps is not None
     return _OneDeviceArguments(
@@ -509,7 +537,7 @@ def _arguments(
         logging_steps=train.logging_steps,
         eval_strategy="steps" if evaluate else "no",
         eval_steps=train.eval_steps if evaluate else None,
-        save_strategy="steps",
+        save_strategy="no" if fsdp else "steps",
         save_steps=train.save_steps,
         save_total_limit=train.save_total_limit,
         torch_empty_cache_steps=train.empty_cache_steps,
@@ -529,6 +557,8 @@ def _arguments(
         # is scaled by the world size, so the gradient mean and the logged mean across ranks are the global
         # token mean: the logged loss of N ranks equals one process's on the same rows (tests/test_ddp.py).
         average_tokens_across_devices=True,
+        fsdp=fsdp,
+        fsdp_config=_FSDP_QLORA if fsdp else None,
         remove_unused_columns=False,
         label_names=["labels"],
         dataloader_num_workers=0,
@@ -621,7 +651,7 @@ def _changed(old: dict | None, new: dict, prefix: str = "") -> list[str]:
 
 
 def _find_resume(
-    root: Path, fingerprint: str, resume: bool, settings: dict
+    root: Path, fingerprint: str, resume: bool, settings: dict, off: str | None = None
 ) -> tuple[Path | None, float | None, str | None]:
     """The checkpoint to resume from, the eval loss measured before its training, and why not resumed."""
     checkpoints.remove_incomplete(root)
@@ -633,7 +663,7 @@ def _find_resume(
         log.info("resuming from %s (step %s)", latest, state.get("step"))
         return latest, state.get("eval_loss_before"), None
     if not resume:
-        why = "train.resume is false"
+        why = off or "train.resume is false"
     else:
         changed = _changed(state.get("settings"), settings)
         why = "changed since it was written: " + ("; ".join(changed) if changed else "the training data or settings")
@@ -679,10 +709,11 @@ def _canonical_adapter_config(path: Path) -> None:
     atomic.write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _save_adapter(model, tokenizer, final: Path) -> Path:
+def _save_adapter(model, tokenizer, final: Path, state_dict: dict | None = None) -> Path:
+    """Write the adapter atomically; `state_dict`: the gathered full state dict of a sharded (FSDP) model."""
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     _canonical_adapter_config(tmp / "adapter_config.json")
     tokenizer.save_pretrained(tmp)
     atomic.replace_dir(atomic.follow_umask(tmp), final)
