@@ -130,6 +130,7 @@ def _spec(model_dir: Path, data: Path, out: Path, name: str, gpus: int, args: ar
                 "seed": 0,
                 "resume": False,
                 "num_gpus": gpus,
+                "parallelism": args.parallelism,
             },
             "merge": {"enabled": False},
             "export": {"gguf": []},
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the steady tokens/s")
     p.add_argument("--shape", choices=["8b"], help="a Llama shape of benchmarks/common.py (default: the 0.5B one)")
     p.add_argument("--single", choices=["accumulate", "wide"], default="accumulate")
+    p.add_argument("--parallelism", choices=["ddp", "fsdp"], default="ddp", help="train.parallelism of the N-GPU run")
     p.add_argument("--device", default="auto", help="cpu: gloo ranks on the CPU (a check of the script, not a figure)")
     p.add_argument("--model", help="an existing model folder instead of a built shape (e.g. the tiny one on CPU)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     single = _single(_spec(model_dir, data, work / "runs", "single", 1, args))
     out.mkdir(parents=True, exist_ok=True)  # kept if the DDP run does not finish within a time limit
-    (out / "ddp_bench.single.json").write_text(json.dumps(single, indent=2, default=str))
+    (out / f"ddp_bench-{args.parallelism}.single.json").write_text(json.dumps(single, indent=2, default=str))
     spec = _spec(model_dir, data, work / "runs", "ddp", args.gpus, args)
     multi = ranks.launch(
         spec, micro_batch_size=args.micro, gradient_accumulation_steps=1, gradient_checkpointing="unsloth"
@@ -215,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = ("losses", "tokens_per_s", "eval_loss_after", "seconds", "training_seconds")
     result = {
         "gpus": args.gpus,
+        "parallelism": args.parallelism,
         "micro_per_gpu": args.micro,
         "single_batch": dict(zip(("micro", "accumulation"), _batch(args, 1))),
         "effective_rows": args.micro * args.gpus,
@@ -235,9 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     result["steady_scaling"] = result["steady_tokens_per_s"][1] / result["steady_tokens_per_s"][0]
     result["efficiency"] = result["scaling"] / args.gpus
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".ddp_bench.json.tmp"
+    name = "ddp_bench.json" if args.parallelism == "ddp" else f"ddp_bench-{args.parallelism}.json"
+    tmp = out / f".{name}.tmp"
     tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out / "ddp_bench.json")
+    tmp.replace(out / name)
     print(
         f"ddp_bench: {args.gpus} GPUs vs 1 at {result['effective_rows']}x{args.seq} tokens/step, {args.steps} "
         f"steps: loss diff max {result['loss_abs_diff_max']:.4f} mean {result['loss_abs_diff_mean']:.4f}, "
