@@ -60,7 +60,8 @@ def deferred(stage: str, spec: PipelineSpec) -> dict:
         "handle": None,
         "checkpointing_handle": None,
         "deferred_to": "packed_sft",
-        "reason": f"train.num_gpus={spec.train.num_gpus}: each of the {spec.train.num_gpus} DDP workers "
+        "reason": f"train.num_gpus={spec.train.num_gpus}: each of the {spec.train.num_gpus} "
+        f"{spec.train.parallelism.upper()} workers "
         f"runs {stage} on its own device; the flow process loads no model",
     }
 
@@ -137,7 +138,7 @@ def launch(
             "slimtune.flows",
             str(job_dir),
         ]
-        log.info("launching %d DDP workers (%s): %s", nproc, backend, " ".join(cmd))
+        log.info("launching %d %s workers (%s): %s", nproc, spec.train.parallelism.upper(), backend, " ".join(cmd))
         returncode, tail = _run(cmd, _worker_env(nproc))
         result = job_dir / RESULT_FILE
         if returncode == 0 and result.is_file():
