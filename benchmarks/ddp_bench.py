@@ -1,12 +1,19 @@
 """DDP on one host: 1 GPU vs N GPUs at equal effective batch, through slimtune's own training path.
 
-The single-GPU run is the flow's path (load_4bit -> attach_lora -> packed_sft in this process, micro-batch
-N*b); the DDP run is `slimtune.train.ddp.launch` (torchrun, N ranks of micro-batch b, NCCL). Both train the
-same random-weight model (built locally: no downloads) on the same synthetic chat data with the same seed,
-so every optimizer step sees the same rows; the report gives the per-step loss difference (parity) and
-tokens/s of both (scaling = DDP tokens/s over all ranks / single-GPU tokens/s).
+The single-GPU run is the flow's path (load_4bit -> attach_lora -> packed_sft in this process); the DDP run
+is what the packed_sft task runs for `train.num_gpus: N` (`slimtune.flows.ranks.launch`: torchrun, N ranks
+of micro-batch b, NCCL). Both train the same random-weight model (built locally: no downloads) on the same
+synthetic data with the same seed, so every optimizer step sees the same rows; the report gives the
+per-step loss difference (parity) and tokens/s of both: over the whole training call (startup, Triton
+compiles and NCCL setup included) and steady (the median of the logged per-step rates after --warmup
+steps; under DDP the logged rate counts every rank's tokens).
 
-    python benchmarks/ddp_bench.py --gpus 2 --out $OUT     # JSON to $OUT/ddp_bench.json
+The single-GPU run keeps the per-GPU micro-batch and accumulates N micro-batches per step (`--single
+accumulate`, the same work per GPU and micro-batch, so the ratio is the data-parallel scaling), or takes
+all N*b rows in one micro-batch (`--single wide`, the 2026-11-21 result).
+
+    python benchmarks/ddp_bench.py --gpus 2 --out $OUT                              # 0.5B, chat rows
+    python benchmarks/ddp_bench.py --shape 8b --micro 4 --seq 2048 --steps 12 --out $OUT
 """
 
 from __future__ import annotations
@@ -78,18 +85,44 @@ def _write_data(path: Path, examples: int, words: int) -> Path:
     return path
 
 
+def _write_text(path: Path, rows: int, seq: int) -> Path:
+    """Plain-text rows of ~seq tokens each (seeded): packed into full rows of `seq` tokens, as the 8B product runs."""
+    rng = random.Random(0)
+    words = "the model learns from packed rows of text without padding between examples memory budget".split()
+    with path.open("w", encoding="utf-8") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(seq))}) + "\n")
+    return path
+
+
+def _batch(args: argparse.Namespace, gpus: int) -> tuple[int, int]:
+    """(micro-batch, accumulation) of a run on `gpus` GPUs: args.micro x args.gpus rows per step either way."""
+    if gpus == args.gpus:
+        return args.micro, 1
+    if args.single == "accumulate":
+        return args.micro, args.gpus // gpus
+    return args.micro * (args.gpus // gpus), 1
+
+
 def _spec(model_dir: Path, data: Path, out: Path, name: str, gpus: int, args: argparse.Namespace):
     from slimtune.spec import parse_spec
 
+    micro, accum = _batch(args, gpus)
     return parse_spec(
         {
             "name": name,
             "output_dir": str(out),
-            "model": {"name_or_path": str(model_dir), "device": "auto"},
-            "lora": {"r": 16, "alpha": 16, "gradient_checkpointing": "unsloth"},
-            "data": {"path": str(data), "max_seq_length": args.seq, "eval_fraction": 0.02},
+            "model": {"name_or_path": str(model_dir), "device": args.device},
+            "lora": {"r": 16, "alpha": 16, "dropout": 0.0, "gradient_checkpointing": "unsloth"},
+            "data": {
+                "path": str(data),
+                "format": "text" if args.shape or args.model else "auto",
+                "max_seq_length": args.seq,
+                "eval_fraction": 0.0 if args.shape or args.model else 0.02,
+            },
             "train": {
-                "micro_batch_size": args.micro * (args.gpus // gpus),
+                "micro_batch_size": micro,
+                "gradient_accumulation_steps": accum,
                 "max_steps": args.steps,
                 "learning_rate": 2e-4,
                 "warmup_steps": 2,
@@ -97,6 +130,7 @@ def _spec(model_dir: Path, data: Path, out: Path, name: str, gpus: int, args: ar
                 "seed": 0,
                 "resume": False,
                 "num_gpus": gpus,
+                "parallelism": args.parallelism,
             },
             "merge": {"enabled": False},
             "export": {"gguf": []},
@@ -119,11 +153,17 @@ def _single(spec) -> dict:
         lora.checkpointing_handle,
         examples,
         micro_batch_size=spec.train.micro_batch_size,
-        gradient_accumulation_steps=1,
+        gradient_accumulation_steps=spec.train.gradient_accumulation_steps,
         gradient_checkpointing=spec.lora.gradient_checkpointing,
     )
     registry.release_all()
     return asdict(report)
+
+
+def _steady(report: dict, warmup: int) -> float:
+    """Median logged tokens/s of the steps after `warmup` (the first steps compile kernels and warm NCCL)."""
+    rates = sorted(e["tokens_per_s"] for e in report["losses"] if e["step"] > warmup and e.get("tokens_per_s"))
+    return rates[len(rates) // 2] if rates else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro", type=int, default=4, help="rows per GPU in the DDP run")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the steady tokens/s")
+    p.add_argument("--shape", choices=["8b"], help="a Llama shape of benchmarks/common.py (default: the 0.5B one)")
+    p.add_argument("--single", choices=["accumulate", "wide"], default="accumulate")
+    p.add_argument("--parallelism", choices=["ddp", "fsdp"], default="ddp", help="train.parallelism of the N-GPU run")
+    p.add_argument("--device", default="auto", help="cpu: gloo ranks on the CPU (a check of the script, not a figure)")
+    p.add_argument("--model", help="an existing model folder instead of a built shape (e.g. the tiny one on CPU)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -140,48 +186,71 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     work = Path(os.environ.get("DDP_BENCH_WORK", "/tmp/ddp_bench"))
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = _build_model(work / "model")
     rows_needed = args.steps * args.micro * args.gpus
-    data = _write_data(work / "data.jsonl", examples=rows_needed * 4, words=args.seq // 4)
+    if args.model:
+        model_dir = Path(args.model)
+        data = _write_text(work / "data.jsonl", rows=rows_needed + 8, seq=args.seq)
+    elif args.shape:
+        sys.path.insert(0, str(_REPO / "benchmarks"))
+        from calibrate_memory import build_model
 
-    from slimtune.train import ddp
+        model_dir = build_model(args.shape, work)
+        data = _write_text(work / "data.jsonl", rows=rows_needed + 8, seq=args.seq)
+    else:
+        model_dir = _build_model(work / "model")
+        data = _write_data(work / "data.jsonl", examples=rows_needed * 4, words=args.seq // 4)
+
+    from slimtune.flows import ranks
 
     began = time.perf_counter()
     single = _single(_spec(model_dir, data, work / "runs", "single", 1, args))
+    out.mkdir(parents=True, exist_ok=True)  # kept if the DDP run does not finish within a time limit
+    (out / f"ddp_bench-{args.parallelism}.single.json").write_text(json.dumps(single, indent=2, default=str))
     spec = _spec(model_dir, data, work / "runs", "ddp", args.gpus, args)
-    multi = ddp.launch(
+    multi = ranks.launch(
         spec, micro_batch_size=args.micro, gradient_accumulation_steps=1, gradient_checkpointing="unsloth"
     )
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(single["losses"], multi["losses"])]
+    # Under DDP the logged loss must be the mean of the ranks' own shares (the global token mean).
+    shares = [r["losses"] for r in multi["ranks"]]
+    share_gap = [abs(e["loss"] - sum(s[i] for s in shares) / len(shares)) for i, e in enumerate(multi["losses"])]
+    keys = ("losses", "tokens_per_s", "eval_loss_after", "seconds", "training_seconds")
     result = {
         "gpus": args.gpus,
+        "parallelism": args.parallelism,
         "micro_per_gpu": args.micro,
+        "single_batch": dict(zip(("micro", "accumulation"), _batch(args, 1))),
         "effective_rows": args.micro * args.gpus,
         "seq": args.seq,
         "steps": args.steps,
-        "shape": _SHAPE,
-        "single": {k: single[k] for k in ("losses", "tokens_per_s", "eval_loss_after", "seconds")},
-        "ddp": {
-            k: multi[k]
-            for k in ("losses", "tokens_per_s", "tokens_per_s_all_ranks", "ranks", "eval_loss_after", "seconds")
-        },
+        "warmup_steps_left_out": args.warmup,
+        "shape": args.model or args.shape or _SHAPE,
+        "single": {k: single[k] for k in keys},
+        "ddp": {k: multi[k] for k in (*keys, "tokens_per_s_all_ranks", "ranks")},
         "loss_abs_diff_max": max(diffs),
         "loss_abs_diff_mean": sum(diffs) / len(diffs),
         "loss_final": [single["losses"][-1]["loss"], multi["losses"][-1]["loss"]],
+        "logged_vs_mean_of_rank_shares_max": max(share_gap),
         "scaling": multi["tokens_per_s_all_ranks"] / single["tokens_per_s"],
+        "steady_tokens_per_s": [_steady(single, args.warmup), _steady(multi, args.warmup)],
         "wall_s": time.perf_counter() - began,
     }
+    result["steady_scaling"] = result["steady_tokens_per_s"][1] / result["steady_tokens_per_s"][0]
     result["efficiency"] = result["scaling"] / args.gpus
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".ddp_bench.json.tmp"
+    name = "ddp_bench.json" if args.parallelism == "ddp" else f"ddp_bench-{args.parallelism}.json"
+    tmp = out / f".{name}.tmp"
     tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out / "ddp_bench.json")
+    tmp.replace(out / name)
     print(
         f"ddp_bench: {args.gpus} GPUs vs 1 at {result['effective_rows']}x{args.seq} tokens/step, {args.steps} "
         f"steps: loss diff max {result['loss_abs_diff_max']:.4f} mean {result['loss_abs_diff_mean']:.4f}, "
         f"final {result['loss_final'][0]:.4f} vs {result['loss_final'][1]:.4f}; tokens/s "
         f"{single['tokens_per_s']:.0f} -> {multi['tokens_per_s_all_ranks']:.0f} "
-        f"(x{result['scaling']:.2f}, {100 * result['efficiency']:.0f}% efficiency)"
+        f"(x{result['scaling']:.2f}, {100 * result['efficiency']:.0f}% efficiency); steady "
+        f"{result['steady_tokens_per_s'][0]:.0f} -> {result['steady_tokens_per_s'][1]:.0f} "
+        f"(x{result['steady_scaling']:.2f}); logged loss vs mean of rank shares "
+        f"{result['logged_vs_mean_of_rank_shares_max']:.2e}"
     )
     return 0
 

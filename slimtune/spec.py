@@ -261,12 +261,28 @@ class TrainSpec(_Section):
         "auto", description="Triton kernels: auto (what the GPU and family support), off, or a list of kernel names."
     )
     num_gpus: int = Field(1, ge=1, le=64, description="Data-parallel GPUs on this host (torchrun).")
+    parallelism: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="How num_gpus > 1 share the model: ddp = a whole NF4 copy per GPU, only LoRA gradients "
+        "exchanged (fastest when the model fits one GPU); fsdp = FSDP-QLoRA, each GPU holds 1/num_gpus of "
+        "the NF4 weights (stored in the compute dtype so FSDP can shard them), for models one GPU cannot hold.",
+    )
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
         default_factory=list,
         description="Experiment trackers, offline: tensorboard (events in the run directory), mlflow (a SQLite "
         "store, mlflow.db in the run directory, unless MLFLOW_TRACKING_URI is set), wandb (offline unless "
         "WANDB_MODE is set).",
     )
+
+    @model_validator(mode="after")
+    def _fsdp(self) -> TrainSpec:
+        if self.parallelism == "fsdp" and self.optimizer == "paged_adamw_8bit":
+            # peft's FSDP guide: with FSDP+QLoRA, paged_adamw_8bit fails when a checkpoint is saved.
+            raise ValueError(
+                "train.parallelism fsdp with train.optimizer paged_adamw_8bit fails at the first checkpoint "
+                "(bitsandbytes' paged state under FSDP); use adamw_torch or adamw_torch_fused"
+            )
+        return self
 
     @field_validator("micro_batch_size")
     @classmethod

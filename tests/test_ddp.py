@@ -13,8 +13,8 @@ import torch
 from prefect_server import REPO
 
 from slimtune import registry
+from slimtune.flows import ranks
 from slimtune.spec import PipelineSpec, load_spec
-from slimtune.train import ddp
 
 # Per-step training loss, 2 ranks x micro-batch 2 vs 1 process x micro-batch 4 (same rows per step, the
 # loss normalised by the target tokens of the whole step in both). The runs differ only in fp32 summation
@@ -61,10 +61,10 @@ def _single_process(spec: PipelineSpec, micro_batch_size: int) -> dict:
         registry.release_all()
 
 
-def test_two_ranks_match_one_process_and_only_rank0_writes(tmp_path):
+def test_two_ranks_log_the_global_loss_of_one_process_and_only_rank0_writes(tmp_path):
     single = _single_process(_spec(tmp_path, "single", 1), micro_batch_size=4)
     spec = _spec(tmp_path, "ddp", 2)
-    report = ddp.launch(
+    report = ranks.launch(
         spec, micro_batch_size=2, gradient_accumulation_steps=1, gradient_checkpointing=spec.lora.gradient_checkpointing
     )
 
@@ -76,6 +76,16 @@ def test_two_ranks_match_one_process_and_only_rank0_writes(tmp_path):
         atol = _LOSS_ATOL.get(mine["step"], _LOSS_ATOL_LATER)
         assert mine["loss"] == pytest.approx(ref["loss"], abs=atol), (report["losses"], single["losses"])
     assert report["losses"][-1]["loss"] < report["losses"][0]["loss"] - 0.3  # it trained
+    # The logged loss is the global mean: the mean of the ranks' own shares (each rank's summed token losses
+    # x 2 / the step's target tokens on both ranks), not rank 0's share, which alone is off by ~|share0 -
+    # share1| / 2 (the ranks see different rows: their shares differ by > 0.05 at some step, checked).
+    shares = [r["losses"] for r in report["ranks"]]
+    assert all(len(s) == len(report["losses"]) for s in shares)
+    for i, logged in enumerate(report["losses"]):
+        mean = sum(s[i] for s in shares) / len(shares)
+        assert logged["loss"] == pytest.approx(mean, rel=1e-6), (logged, [s[i] for s in shares])
+    assert max(abs(a - b) for a, b in zip(*shares)) > 0.05, shares
+    assert single["rank_losses"] == pytest.approx([e["loss"] for e in single["losses"]], rel=1e-6)
 
     run_dir = spec.run_dir()
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
@@ -95,7 +105,7 @@ def test_worker_errors_reach_the_task(tmp_path):
     with pytest.raises(
         RuntimeError, match=r"DDP training failed .*rank \d: DataError: .*missing.jsonl: file not found"
     ):
-        ddp.launch(spec, micro_batch_size=2, gradient_accumulation_steps=1, gradient_checkpointing=False)
+        ranks.launch(spec, micro_batch_size=2, gradient_accumulation_steps=1, gradient_checkpointing=False)
 
 
 def test_out_of_memory_in_a_worker_becomes_retriable(tmp_path):
@@ -103,7 +113,7 @@ def test_out_of_memory_in_a_worker_becomes_retriable(tmp_path):
         json.dumps({"rank": 1, "type": "OutOfMemoryError", "message": "CUDA out of memory", "oom": True})
     )
     with pytest.raises(torch.OutOfMemoryError, match="rank 1: OutOfMemoryError"):
-        ddp._raise_worker_error(tmp_path, 1, [])
+        ranks._raise_worker_error(tmp_path, 1, [])
 
 
 @pytest.mark.parametrize(
@@ -119,7 +129,7 @@ def test_device_errors_name_the_fix(tmp_path, device, message):
     spec = _spec(tmp_path, "dev", 2)
     spec.model.device = device
     with pytest.raises(ValueError, match=message):
-        ddp.check_devices(spec)
+        ranks.check_devices(spec)
 
 
 def test_flow_process_loads_no_model_for_ddp(tmp_path):
@@ -149,3 +159,20 @@ def test_single_process_run_trains_on_the_gpu_it_was_given(tmp_path):
     # the tiny model starts near ln(vocab) = 6.77; a loss scaled by n_gpu=2 started near 13.5
     assert 5.5 < first < 8.0, first
     assert torch.cuda.max_memory_allocated(0) == 0  # nothing of this run landed on cuda:0
+
+
+def test_the_per_rank_driver_is_the_flows_and_train_imports_no_task():
+    """train/ is a library the tasks use; the per-rank driver (which runs the tasks) belongs to the flow."""
+    import ast
+
+    train = REPO / "slimtune" / "train"
+    imported = {
+        (path.name, node.module if isinstance(node, ast.ImportFrom) else alias.name)
+        for path in train.glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    upward = sorted((f, m) for f, m in imported if m and m.startswith(("slimtune.tasks", "slimtune.flows")))
+    assert upward == [], upward
+    assert ranks.__name__ == "slimtune.flows.ranks" and not (train / "ddp.py").exists()

@@ -459,6 +459,46 @@ def test_gpu_concurrency_creates_a_missing_limit_with_one_slot(prefect_harness, 
     assert run() == 1  # the second run finds it and keeps it
 
 
+def test_a_multi_gpu_run_holds_one_slot_per_gpu(prefect_harness):
+    """The limit counts GPUs: a 2-GPU run holds 2 of its slots, so a 1-GPU run fits beside it only in a third."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    with get_client(sync_client=True) as client:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name="gpu-three", limit=3))
+
+    def active() -> int:
+        with get_client(sync_client=True) as client:
+            return client.read_global_concurrency_limit_by_name("gpu-three").active_slots
+
+    @flow
+    def run() -> list[int]:
+        with gpu_concurrency("gpu-three", gpus=2):
+            held = [active()]
+            with gpu_concurrency("gpu-three", gpus=1):
+                held.append(active())
+            return [*held, active()]
+
+    assert run() == [2, 3, 2]
+    assert active() == 0
+
+
+def test_a_missing_limit_is_made_for_the_gpus_and_a_small_one_names_the_fix(prefect_harness):
+    from prefect.client.orchestration import get_client
+
+    @flow
+    def run(slot: str, gpus: int) -> int:
+        with gpu_concurrency(slot, gpus=gpus), get_client(sync_client=True) as client:
+            return client.read_global_concurrency_limit_by_name(slot).active_slots
+
+    assert run("gpu-made-for-two", 2) == 2  # created with max(1, gpus, visible GPUs) slots: 2 on this CPU host
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name("gpu-made-for-two").limit == 2
+    run("gpu-one", 1)
+    with pytest.raises(ValueError, match=r"limit 'gpu-one' has 1 slot.*prefect gcl update gpu-one --limit 2"):
+        run("gpu-one", 2)
+
+
 def test_report_markdown_lists_downshifts():
     records = [
         GuardRecord(

@@ -260,6 +260,7 @@ def test_one_process_trains_on_one_device_even_when_more_gpus_are_visible(base_d
         optim="adamw_torch",
         device=torch.device("cpu"),
         has_eval=False,
+        bucket_cap_mb=25,
     )
     assert args.device.type == "cpu"
     args._n_gpu = 2  # what TrainingArguments' device setup stores on a host with two visible GPUs

@@ -60,7 +60,8 @@ def finetune(spec: PipelineSpec) -> dict:
         for t in (load_4bit_task, attach_lora_task, packed_sft_task, cleanup_task, dequant_merge_task, gguf_task)
     )
     try:
-        with run_lock(spec.run_dir()), gpu_concurrency(gpu_slot()):  # one run per run dir, then the GPU
+        # one run per run dir, then its GPUs: the limit counts GPUs, a 2-GPU run holds 2 slots
+        with run_lock(spec.run_dir()), gpu_concurrency(gpu_slot(), gpus=spec.train.num_gpus):
             atomic.write_text(spec.run_dir() / "spec.effective.yaml", effective_yaml(spec))  # what ran
             summary["load_4bit"] = loaded = load(spec, plan)
             summary["attach_lora"] = lora = attach(spec, plan, loaded["handle"])

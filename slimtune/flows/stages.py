@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from slimtune import atomic
 from slimtune.charts import publish_memory_chart
+from slimtune.flows import ranks
 from slimtune.kernels.apply import expected_kernels
 from slimtune.memory import (
     Estimate,
@@ -38,13 +39,12 @@ from slimtune.memory.guard import gpu_shortfalls
 from slimtune.plan import auto_micro_batch
 from slimtune.run_plan import RunPlan
 from slimtune.spec import PipelineSpec
-from slimtune.tasks.attach_lora import attach_lora
+from slimtune.tasks.attach_lora import MULTI_GPU_EXCLUDED_KERNELS, attach_lora
 from slimtune.tasks.cleanup import cleanup
 from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 from slimtune.tasks.load_4bit import load_4bit
 from slimtune.tasks.packed_sft import packed_sft
-from slimtune.train import ddp
 
 log = logging.getLogger(__name__)
 STAGES = ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push")
@@ -125,28 +125,38 @@ def train_estimate(
         target_modules=spec.lora.target_modules,
         checkpointing=checkpointing,
         optimizer_bytes_per_param=_OPTIMIZER_BYTES.get(spec.train.optimizer, 8),
-        kernels=expected_kernels(spec.train.kernels, device_type, cfg.get("model_type")),
+        kernels=[
+            k
+            for k in expected_kernels(spec.train.kernels, device_type, cfg.get("model_type"))
+            if spec.train.num_gpus == 1 or k not in MULTI_GPU_EXCLUDED_KERNELS
+        ],
         compute_dtype_bytes=dtype_bytes,
         on_gpu=device_type == "cuda",
+        shard_ranks=spec.train.num_gpus if spec.train.parallelism == "fsdp" else 1,  # per rank
     )
 
 
 @_task("load_4bit", "load_4bit [{spec.name}]")
 def load_4bit_task(spec: PipelineSpec, plan: RunPlan) -> dict:
     """Load the base model in NF4; the model stays in the process registry."""
-    if spec.train.num_gpus > 1:
-        return ddp.deferred("load_4bit", spec)
-    with _guard("load_4bit", spec, plan, estimate_load_4bit(plan.config, compute_dtype_bytes=plan.dtype.itemsize)):
-        return load_4bit(spec, plan).to_dict()
+
+    def here() -> dict:
+        est = estimate_load_4bit(plan.config, compute_dtype_bytes=plan.dtype.itemsize)
+        with _guard("load_4bit", spec, plan, est):
+            return load_4bit(spec, plan).to_dict()
+
+    return ranks.run_stage(spec, "load_4bit", here)
 
 
 @_task("attach_lora", "attach_lora [{spec.name}]")
 def attach_lora_task(spec: PipelineSpec, plan: RunPlan, handle: str | None) -> dict:
     """Attach LoRA and the chosen gradient checkpointing."""
-    if spec.train.num_gpus > 1:
-        return ddp.deferred("attach_lora", spec)
-    with _guard("attach_lora", spec, plan, None):
-        return attach_lora(spec, handle).to_dict()
+
+    def here() -> dict:
+        with _guard("attach_lora", spec, plan, None):
+            return attach_lora(spec, handle).to_dict()
+
+    return ranks.run_stage(spec, "attach_lora", here)
 
 
 @_task("packed_sft", "packed_sft [{spec.name}]")
@@ -168,25 +178,18 @@ def packed_sft_task(
     for note in shift.notes:
         log.warning("packed_sft downshift: %s", note)
     est = train_estimate(spec, cfg, shift.micro_batch, shift.checkpointing, plan.torch_device.type)
-    with _guard("packed_sft", spec, plan, est, shift.notes):
-        if spec.train.num_gpus > 1:  # torchrun workers load, attach and train; rank 0 writes
-            return ddp.launch(
-                spec,
-                micro_batch_size=shift.micro_batch,
-                gradient_accumulation_steps=shift.grad_accum,
-                gradient_checkpointing=shift.checkpointing,
-            )
-        report = packed_sft(
-            spec,
-            handle,
-            checkpointing_handle,
-            examples_handle,
-            micro_batch_size=shift.micro_batch,
-            gradient_accumulation_steps=shift.grad_accum,
-            gradient_checkpointing=shift.checkpointing,
-            plan=plan,
-        )
+    batch = {
+        "micro_batch_size": shift.micro_batch,
+        "gradient_accumulation_steps": shift.grad_accum,
+        "gradient_checkpointing": shift.checkpointing,
+    }
+
+    def here() -> dict:
+        report = packed_sft(spec, handle, checkpointing_handle, examples_handle, **batch, plan=plan)
         return {**asdict(report), "micro_batch_auto": chosen}
+
+    with _guard("packed_sft", spec, plan, est, shift.notes):
+        return ranks.run_stage(spec, "packed_sft", here, **batch)
 
 
 @_task("cleanup", "cleanup [{spec.name}]")

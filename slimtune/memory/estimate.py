@@ -303,8 +303,9 @@ def estimate_train(
     compute_dtype_bytes: int = 2,
     double_quant: bool = True,
     on_gpu: bool = True,
+    shard_ranks: int = 1,
 ) -> Estimate:
-    """Memory for one QLoRA training step at `micro_batch` x `seq_len` tokens, device-wide.
+    """Memory for one QLoRA training step at `micro_batch` x `seq_len` tokens, device-wide (per rank).
 
     `checkpointing`: False keeps every layer's activations; True (or "standard") keeps each
     layer's input and recomputes one layer at a time; "unsloth"/"offload" moves the layer inputs
@@ -317,10 +318,20 @@ def estimate_train(
     or while one layer is recomputed in backward, never at both: the estimate takes the larger.
     The weights are in `resident_gpu_bytes` (load_4bit put them there), so preflight counts them
     once. Calibrated on an H100 (benchmarks/results/memory/, tests/test_memory_calibration.py).
+
+    `shard_ranks` > 1 is FSDP-QLoRA: each rank keeps 1/shard_ranks of the weights, LoRA weights, grads
+    and optimizer state, and gathers whole layers while it computes them (the one it computes and the
+    one prefetched: two decoder layers' NF4 weights). Activations are per rank, as under DDP. Each rank
+    loads the whole NF4 model before FSDP shards it, so the estimate is at least that. Not calibrated on
+    a GPU yet.
     """
     shape = _shape(cfg)
     tokens = micro_batch * seq_len
     gpu = _nf4_weights(shape, compute_dtype_bytes, double_quant)
+    if shard_ranks > 1:
+        gpu = {k: -(-v // shard_ranks) for k, v in gpu.items()}
+        layer = sum(_nf4_bytes(a * b, double_quant) for a, b in shape.projections().values())
+        gpu["gathered layers (FSDP: computing and prefetched)"] = 2 * layer
     # attach_lora moved the frozen input table to pinned host memory and training leaves it there (8B:
     # allocated 5.32 -> 4.49 GiB at attach, measured); resident is what stays on the GPU.
     host_table = 0
@@ -331,8 +342,8 @@ def estimate_train(
     targets = _targets(shape, target_modules)
     projections = shape.projections()
     lora = shape.layers * sum(lora_r * (projections[t][0] + projections[t][1]) for t in targets)
-    gpu["lora weights and grads (fp32)"] = lora * 8
-    gpu["optimizer state"] = lora * optimizer_bytes_per_param
+    gpu["lora weights and grads (fp32)"] = -(-lora * 8 // shard_ranks)
+    gpu["optimizer state"] = -(-lora * optimizer_bytes_per_param // shard_ranks)
 
     fused = _FUSED_ACTIVATION_KERNELS <= set(kernels)
     per_layer = _activation_bytes_per_token_layer(shape, compute_dtype_bytes, targets, lora_r)
@@ -378,6 +389,12 @@ def estimate_train(
         gpu["allocator fragmentation"] += int(host_table * _OFFLOAD_HOST_TABLE_FRAGMENTATION)
     if on_gpu:
         gpu[_CONTEXT_TERM] = _CUDA_CONTEXT_BYTES
+    if shard_ranks > 1:
+        # Each rank loads the whole NF4 model onto its GPU before FSDP shards it: that load, not the
+        # sharded step, is the peak when the weights outweigh the step's activations.
+        whole = sum(_nf4_weights(shape, compute_dtype_bytes, double_quant).values()) + gpu.get(_CONTEXT_TERM, 0)
+        if whole > sum(gpu.values()):
+            gpu["whole NF4 model while loading, before FSDP shards it"] = whole - sum(gpu.values())
     checkpoint = lora * (4 + optimizer_bytes_per_param)
     # A resumable checkpoint is written beside the previous one before that one is removed.
     disk = {"adapter and optimizer checkpoints (2 kept while writing)": 2 * checkpoint}

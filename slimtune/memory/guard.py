@@ -270,12 +270,15 @@ def gpu_slot() -> str:
     return os.environ.get("SLIMTUNE_GPU_SLOT", "gpu")
 
 
-def ensure_gpu_limit(slot: str) -> None:
-    """Create the global concurrency limit `slot` with 1 slot when the server lacks it.
+def ensure_gpu_limit(slot: str, gpus: int = 1) -> None:
+    """Create the global concurrency limit `slot` when the server lacks it; check it can hold `gpus` slots.
 
-    Without it Prefect's `concurrency(..., strict=False)` warns "Concurrency limits [...] do not exist"
-    and does not wait, so two runs would share the GPU. A limit someone created (another size) is kept;
-    a create that races another run's create is fine.
+    The limit counts GPUs, not runs: a new one gets a slot per GPU this process sees (at least `gpus`,
+    at least 1; a worker started with CUDA_VISIBLE_DEVICES=0 makes a one-slot limit, as before). Without
+    it Prefect's `concurrency(..., strict=False)` warns "Concurrency limits [...] do not exist" and does
+    not wait, so two runs would share the GPU. A limit someone created is kept; one smaller than `gpus`
+    would be refused by the server ("Slots requested is greater than the limit"), so it is named here
+    with the fix. A create that races another run's create is fine.
     """
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
@@ -283,12 +286,19 @@ def ensure_gpu_limit(slot: str) -> None:
 
     with get_client(sync_client=True) as client:
         try:
-            client.read_global_concurrency_limit_by_name(slot)
+            limit = client.read_global_concurrency_limit_by_name(slot).limit
         except ObjectNotFound:
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            limit = max(1, gpus, visible)
             try:
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=slot, limit=1))
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=slot, limit=limit))
             except ObjectAlreadyExists:
-                pass
+                limit = client.read_global_concurrency_limit_by_name(slot).limit
+    if limit < gpus:
+        raise ValueError(
+            f"train.num_gpus is {gpus} but the GPU concurrency limit {slot!r} has {limit} slot(s) (it counts "
+            f"GPUs); raise it with `prefect gcl update {slot} --limit {gpus}` or lower train.num_gpus"
+        )
 
 
 @contextmanager
@@ -313,16 +323,16 @@ def _host_gpu_lock(slot: str) -> Iterator[None]:
 
 
 @contextmanager
-def gpu_concurrency(slot: str = "gpu") -> Iterator[None]:
-    """Hold one slot of the Prefect global concurrency limit `slot` while a stage uses the GPU.
+def gpu_concurrency(slot: str = "gpu", gpus: int = 1) -> Iterator[None]:
+    """Hold `gpus` slots (one per GPU the run uses) of the Prefect global concurrency limit `slot`.
 
-    With a Prefect server (PREFECT_API_URL set) the limit is created with one slot when missing
-    (`ensure_gpu_limit`), so two flow runs never share the GPU; raise it with `prefect gcl update gpu
-    --limit N`. A run on a temporary server (`slimtune run` without PREFECT_API_URL) takes a lock file under
-    PREFECT_HOME instead: that server keeps its leases in its own memory and revokes none, so a run killed
-    outright (SIGKILL, the OOM killer) held its slot for good and the next run waited forever (seen: over
-    5 minutes, until killed); the kernel frees a file lock when its holder dies. Outside a Prefect run with
-    no PREFECT_API_URL this is a no-op rather than starting a temporary server just to count slots.
+    With a Prefect server (PREFECT_API_URL set) the limit is created when missing (`ensure_gpu_limit`), so
+    two flow runs never share a GPU; a 2-GPU run waits until two slots are free. A run on a temporary server
+    (`slimtune run` without PREFECT_API_URL) takes a lock file under PREFECT_HOME instead, for all of the
+    machine's GPUs: that server keeps its leases in its own memory and revokes none, so a run killed outright
+    (SIGKILL, the OOM killer) held its slot for good and the next run waited forever (seen: over 5 minutes,
+    until killed); the kernel frees a file lock when its holder dies. Outside a Prefect run with no
+    PREFECT_API_URL this is a no-op rather than starting a temporary server just to count slots.
     """
     from prefect.context import FlowRunContext, TaskRunContext
     from prefect.settings import PREFECT_API_URL
@@ -336,9 +346,9 @@ def gpu_concurrency(slot: str = "gpu") -> Iterator[None]:
         return
     from prefect.concurrency.sync import concurrency
 
-    ensure_gpu_limit(slot)
-    # The holder renews its lease while it runs; a run killed outright cannot release its slot, so the
-    # lease is what frees it (the server's repossessor revokes it): 60 s rather than Prefect's default 300 s
+    ensure_gpu_limit(slot, gpus)
+    # The holder renews its lease while it runs; a run killed outright cannot release its slots, so the
+    # lease is what frees them (the server's repossessor revokes it): 60 s rather than Prefect's default 300 s
     # keeps the re-submitted run (or the next queued one) from waiting five minutes on a dead process.
-    with concurrency(slot, occupy=1, strict=False, lease_duration=_GPU_LEASE_S):
+    with concurrency(slot, occupy=gpus, strict=False, lease_duration=_GPU_LEASE_S):
         yield

@@ -57,8 +57,13 @@ class QuantSpec:
             raise ValueError(f"merge quant.quant_storage {spec.quant_storage!r}: use one of {sorted(_STORAGE)}")
         return spec
 
-    def bnb_config(self, compute_dtype: torch.dtype | None = None):
-        """The `BitsAndBytesConfig` of these settings: what load_4bit loads with and the merge reproduces."""
+    def bnb_config(self, compute_dtype: torch.dtype | None = None, quant_storage: torch.dtype | None = None):
+        """The `BitsAndBytesConfig` of these settings: what load_4bit loads with and the merge reproduces.
+
+        `quant_storage` overrides the dtype the packed 4-bit bytes are viewed as (FSDP-QLoRA stores them as
+        the compute dtype, so FSDP can shard them with the 16-bit weights); the bytes, and so the merge,
+        are the same for every storage dtype (tests/test_fsdp.py).
+        """
         from transformers import BitsAndBytesConfig
 
         return BitsAndBytesConfig(
@@ -66,7 +71,7 @@ class QuantSpec:
             bnb_4bit_quant_type=self.quant_type,
             bnb_4bit_use_double_quant=self.compress_statistics,
             bnb_4bit_compute_dtype=compute_dtype,
-            bnb_4bit_quant_storage=_STORAGE[self.quant_storage],
+            bnb_4bit_quant_storage=quant_storage or _STORAGE[self.quant_storage],
             llm_int8_skip_modules=list(self.skip_modules) or None,
         )
 

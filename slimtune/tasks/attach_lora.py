@@ -17,6 +17,11 @@ log = logging.getLogger(__name__)
 _EMBEDDINGS = ("embed_tokens", "lm_head")
 
 
+# DDP and FSDP want every parameter on the rank's GPU (they check device types and broadcast or shard them
+# at wrap time); the guard's estimate for a multi-GPU run leaves these kernels out too.
+MULTI_GPU_EXCLUDED_KERNELS = {"host_embedding": "train.num_gpus > 1: DDP/FSDP keep every parameter on the rank's GPU"}
+
+
 @dataclass(frozen=True)
 class LoraResult:
     """The handle (now pointing at the peft model) and what was made trainable."""
@@ -80,12 +85,10 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
         _offload_frozen_embeddings(peft_model, device)
     checkpointing = enable_checkpointing(peft_model, spec.lora.gradient_checkpointing)
     peft_model.config.use_cache = False
-    # DDP wants every parameter on the rank's GPU (it checks device types and broadcasts them at wrap time)
-    ddp = {"host_embedding": "train.num_gpus > 1: DDP keeps every parameter on the rank's GPU"}
     kernels = apply_kernels(
         peft_model,
         spec.train.kernels,  # logs what it applied and skipped, and why
-        exclude=ddp if spec.train.num_gpus > 1 else None,
+        exclude=MULTI_GPU_EXCLUDED_KERNELS if spec.train.num_gpus > 1 else None,
         recomputing=recomputing,  # "unsloth" checkpointing's recompute: lora_nf4 skips the unread output
     )
     registry.replace(handle, peft_model)

@@ -77,7 +77,8 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
 
     plan = plan_for(spec, plan)
     model_dir, device, dtype = Path(plan.model_dir), plan.torch_device, plan.dtype
-    quant = TRAINING_NF4.bnb_config(dtype)
+    fsdp = spec.train.num_gpus > 1 and spec.train.parallelism == "fsdp"
+    quant = TRAINING_NF4.bnb_config(dtype, quant_storage=dtype if fsdp else None)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
         quantization_config=quant,

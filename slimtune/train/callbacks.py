@@ -45,6 +45,8 @@ class LogCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict | None = None, **kwargs
     ) -> None:
         logs = logs or {}
+        if not state.is_world_process_zero:  # under DDP one line per step, not one per rank
+            return
         if "loss" in logs:
             run_logger().info(
                 "step %d/%d loss %.4f lr %.3g tokens %d tok/s %.0f padding waste %.1f%% %s",

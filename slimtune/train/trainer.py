@@ -90,6 +90,9 @@ class TrainReport:
     run_id: str | None = None  # the Prefect flow run that trained (None outside Prefect)
     finished_at: str | None = None  # UTC, ISO 8601
     reused_from: str | None = None  # run_id (or finished_at) of the run whose results a 0-step re-run reuses
+    # This process's share of each logged loss: under DDP the logged loss is the mean of the ranks' shares
+    # (each rank's summed token losses x world size / the whole step's target tokens); one process: = losses.
+    rank_losses: list[float] = field(default_factory=list)
 
 
 class _Meter:
@@ -131,6 +134,10 @@ class _SlimTrainer(Trainer):
         # so each checkpoint records the training time of the whole run, across resumes.
         self.seconds_before = 0.0
         self.began = time.perf_counter()
+        # This rank's own loss since the last log line, kept on the device (no host sync per step).
+        self._own_loss: torch.Tensor | None = None
+        self._own_since = 0
+        self.rank_losses: list[torch.Tensor] = []
 
     def training_seconds(self) -> float:
         return self.seconds_before + time.perf_counter() - self.began
@@ -148,7 +155,9 @@ class _SlimTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.meter.add(*inputs.pop(TOKEN_COUNTS_KEY, (0, 0)))
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._own_loss = loss.detach() if self._own_loss is None else self._own_loss + loss.detach()
+        return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs.pop(TOKEN_COUNTS_KEY, None)
@@ -156,7 +165,14 @@ class _SlimTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
+            if self._own_loss is not None:  # Trainer logs tr_loss / steps since its last log; the same here
+                self.rank_losses.append(self._own_loss / max(self.state.global_step - self._own_since, 1))
+            self._own_loss, self._own_since = None, self.state.global_step
             tokens, slots, seconds = self.meter.flush()
+            if self.args.world_size > 1:  # every rank's tokens: the logged tokens/s is the run's, not rank 0's
+                counts = torch.tensor([tokens, slots], dtype=torch.float64, device=self.args.device)
+                torch.distributed.all_reduce(counts)  # one small collective per log line, as Trainer's loss gather
+                tokens, slots = (int(c) for c in counts.tolist())
             before = next((e["tokens"] for e in reversed(self.state.log_history) if "tokens" in e), 0)
             logs.update(
                 tokens=before + tokens,
@@ -232,6 +248,7 @@ def train_adapter(
     precision = resolve_precision(train.precision, device)
     optim = resolve_optimizer(train.optimizer, device)
     ckpt_root = run_dir / "checkpoints"
+    fsdp = train.num_gpus > 1 and train.parallelism == "fsdp"
     args = _arguments(
         train,
         ckpt_root,
@@ -241,13 +258,21 @@ def train_adapter(
         optim,
         device,
         has_eval=bool(eval_rows),
+        bucket_cap_mb=ddp_bucket_cap_mb(model),
+        fsdp=fsdp,
     )
     effective_batch = micro_batch_size * gradient_accumulation_steps * args.world_size
     settings = _settings(train, data, effective_batch, batching.mode, model)
     fingerprint = _fingerprint(examples, settings)
     previous = _read_report(run_dir)
     with args.main_process_first(desc="checkpoint discovery"):  # rank 0 alone removes or moves old ones
-        resume_from, eval_before, not_resumed = _find_resume(ckpt_root, fingerprint, train.resume, settings)
+        resume_from, eval_before, not_resumed = _find_resume(
+            ckpt_root,
+            fingerprint,
+            train.resume and not fsdp,
+            settings,
+            off="train.parallelism is fsdp (FSDP runs neither write nor resume checkpoints yet)" if fsdp else None,
+        )
     if not not_resumed and _nothing_left(resume_from, previous, run_dir):
         # A same-name re-run of a finished spec: training is complete, so the results are the earlier run's.
         report = TrainReport(**previous)
@@ -321,11 +346,20 @@ def train_adapter(
         training_seconds = last_state["train_seconds"]
 
     adapter_dir = run_dir / "adapter"
-    if trainer.is_world_process_zero():  # under DDP rank 0 alone writes the adapter and the report
-        _save_adapter(model, tokenizer, adapter_dir)
+    # Under FSDP every rank holds a shard: all join the gather of the full state dict (rank 0 receives it).
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped) if fsdp else None
+    if trainer.is_world_process_zero():  # under DDP/FSDP rank 0 alone writes the adapter and the report
+        _save_adapter(model, tokenizer, adapter_dir, state)
     history = trainer.state.log_history
-    losses = [
-        {"step": e["step"], "loss": e["loss"], "learning_rate": e.get("learning_rate")} for e in history if "loss" in e
+    losses = [  # tokens/s per logged step (all ranks under DDP): the steady rate, without startup and evals
+        {
+            "step": e["step"],
+            "loss": e["loss"],
+            "learning_rate": e.get("learning_rate"),
+            "tokens_per_s": e.get("tokens_per_s"),
+        }
+        for e in history
+        if "loss" in e
     ]
     trained = [e for e in history if "tokens_per_s" in e]
     report = TrainReport(
@@ -349,6 +383,7 @@ def train_adapter(
         precision=precision,
         adapter_dir=str(adapter_dir),
         data=examples.summary(),
+        rank_losses=[float(v) for v in torch.stack(trainer.rank_losses).tolist()] if trainer.rank_losses else [],
         perplexity_before=perplexity(eval_before),
         perplexity_after=perplexity(eval_after),
     )
@@ -454,6 +489,23 @@ class _OneDeviceArguments(TrainingArguments):
         return mine
 
 
+# FSDP-QLoRA (train.parallelism: fsdp), as peft's and bitsandbytes' FSDP-QLoRA guides set it up: FSDP1 with
+# flat parameters (use_orig_params false), every decoder layer and every LoRA layer its own unit (Trainer
+# applies peft's wrap policy, and the 4-bit storage dtype as FSDP's mixed-precision dtype, when it sees a
+# PeftModel). Not FSDP2: fully_shard turns bitsandbytes' Params4bit into plain Parameters and drops their
+# quantization state (axolotl-ai-cloud/axolotl#2992). Every rank loaded the same weights and seeded the same
+# LoRA init, so no broadcast of rank 0's (sync_module_states), which bitsandbytes' FSDP support does not cover
+# (bitsandbytes#970). The adapter is gathered whole (FULL_STATE_DICT) for rank 0 to save.
+_FSDP_QLORA = {
+    "version": 1,
+    "reshard_after_forward": "full_shard",
+    "use_orig_params": False,
+    "sync_module_states": False,
+    "limit_all_gathers": True,
+    "state_dict_type": "FULL_STATE_DICT",
+}
+
+
 def _arguments(
     train: TrainSpec,
     output_dir: Path,
@@ -464,6 +516,8 @@ def _arguments(
     device: torch.device,
     *,
     has_eval: bool,
+    bucket_cap_mb: int,
+    fsdp: bool = False,
 ) -> TrainingArguments:
     evaluate = has_eval and train.eval_steps is not None
     return _OneDeviceArguments(
@@ -487,7 +541,7 @@ def _arguments(
         logging_steps=train.logging_steps,
         eval_strategy="steps" if evaluate else "no",
         eval_steps=train.eval_steps if evaluate else None,
-        save_strategy="steps",
+        save_strategy="no" if fsdp else "steps",
         save_steps=train.save_steps,
         save_total_limit=train.save_total_limit,
         torch_empty_cache_steps=train.empty_cache_steps,
@@ -496,12 +550,35 @@ def _arguments(
         use_cpu=device.type == "cpu",
         report_to=list(train.report_to) or "none",
         run_name=output_dir.parent.name,
-        ddp_find_unused_parameters=False,  # every LoRA weight is used every step
+        # DDP (ignored by a one-process run). Every LoRA weight is used every step, in the same order: no
+        # search for unused parameters, and a static graph (DDP then also accepts the reentrant, offloaded
+        # checkpointing, which re-runs each layer's forward inside backward). Trainer already skips the
+        # all-reduce on the micro-batches before the last of an accumulation window (accelerator.no_sync).
+        ddp_find_unused_parameters=False,
+        ddp_static_graph=True,
+        ddp_bucket_cap_mb=bucket_cap_mb,
+        # The loss of a step is normalised by the target tokens of all ranks (gathered), and each rank's loss
+        # is scaled by the world size, so the gradient mean and the logged mean across ranks are the global
+        # token mean: the logged loss of N ranks equals one process's on the same rows (tests/test_ddp.py).
+        average_tokens_across_devices=True,
+        fsdp=fsdp,
+        fsdp_config=_FSDP_QLORA if fsdp else None,
         remove_unused_columns=False,
         label_names=["labels"],
         dataloader_num_workers=0,
         include_num_input_tokens_seen="no",
     )
+
+
+def ddp_bucket_cap_mb(model: torch.nn.Module) -> int:
+    """DDP's gradient bucket size for this model's trainable (LoRA) weights: about 8 buckets, 1-25 MB.
+
+    DDP's default 25 MB buckets are sized for full fine-tuning (GBs of gradients). LoRA's are small (8B,
+    r=16, all 7 projections: 42M fp32 values, 168 MB), so ~8 buckets let each all-reduce start while the
+    backward of the earlier layers still runs; below 1 MB the per-collective launch cost dominates.
+    """
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return max(1, min(25, round(grad_bytes / 8 / 2**20)))
 
 
 def _canonical(value: object) -> object:
@@ -578,7 +655,7 @@ def _changed(old: dict | None, new: dict, prefix: str = "") -> list[str]:
 
 
 def _find_resume(
-    root: Path, fingerprint: str, resume: bool, settings: dict
+    root: Path, fingerprint: str, resume: bool, settings: dict, off: str | None = None
 ) -> tuple[Path | None, float | None, str | None]:
     """The checkpoint to resume from, the eval loss measured before its training, and why not resumed."""
     checkpoints.remove_incomplete(root)
@@ -590,7 +667,7 @@ def _find_resume(
         log.info("resuming from %s (step %s)", latest, state.get("step"))
         return latest, state.get("eval_loss_before"), None
     if not resume:
-        why = "train.resume is false"
+        why = off or "train.resume is false"
     else:
         changed = _changed(state.get("settings"), settings)
         why = "changed since it was written: " + ("; ".join(changed) if changed else "the training data or settings")
@@ -636,10 +713,11 @@ def _canonical_adapter_config(path: Path) -> None:
     atomic.write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _save_adapter(model, tokenizer, final: Path) -> Path:
+def _save_adapter(model, tokenizer, final: Path, state_dict: dict | None = None) -> Path:
+    """Write the adapter atomically; `state_dict`: the gathered full state dict of a sharded (FSDP) model."""
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     _canonical_adapter_config(tmp / "adapter_config.json")
     tokenizer.save_pretrained(tmp)
     atomic.replace_dir(atomic.follow_umask(tmp), final)

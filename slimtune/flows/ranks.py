@@ -1,8 +1,9 @@
-"""Data-parallel training on one host: the packed_sft stage run as `torchrun` workers (DDP).
+"""Where a stage runs: in the flow process (one GPU), or on `torchrun` ranks (`train.num_gpus > 1`).
 
+This is the one place a run leaves the flow process, and the flow owns it (train/ knows nothing of tasks).
 DDP needs one process per GPU, and the flow process must stay one process (Prefect's task runs, the
 registry, the memory guard live there). So when `train.num_gpus > 1` the packed_sft task writes a job
-file and runs `torchrun --standalone --nproc-per-node N -m slimtune.train.ddp JOB`; every rank loads
+file and runs `torchrun --standalone --nproc-per-node N -m slimtune.flows JOB`; every rank loads
 its own NF4 copy onto its own GPU (device_map={"": local_rank}), attaches LoRA and trains, and
 Trainer wraps the model in DistributedDataParallel so only the LoRA gradients are all-reduced. The
 flow process loads no model for such a run: `deferred` is what its load_4bit and attach_lora tasks
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -38,13 +40,28 @@ RESULT_FILE = "result.json"
 _TAIL_LINES = 40
 
 
+def run_stage(spec: PipelineSpec, stage: str, here: Callable[[], dict], **train_args: int | bool | str) -> dict:
+    """The one `num_gpus` branch: `here()` in this process for one GPU; on the ranks for several.
+
+    With several GPUs, load_4bit and attach_lora are `deferred` (each rank does them itself) and
+    packed_sft `launch`es the ranks with `train_args` (micro_batch_size, gradient_accumulation_steps,
+    gradient_checkpointing).
+    """
+    if spec.train.num_gpus == 1:
+        return here()
+    if stage == "packed_sft":
+        return launch(spec, **train_args)
+    return deferred(stage, spec)
+
+
 def deferred(stage: str, spec: PipelineSpec) -> dict:
     """What load_4bit / attach_lora report when the torchrun workers do that work inside packed_sft."""
     return {
         "handle": None,
         "checkpointing_handle": None,
         "deferred_to": "packed_sft",
-        "reason": f"train.num_gpus={spec.train.num_gpus}: each of the {spec.train.num_gpus} DDP workers "
+        "reason": f"train.num_gpus={spec.train.num_gpus}: each of the {spec.train.num_gpus} "
+        f"{spec.train.parallelism.upper()} workers "
         f"runs {stage} on its own device; the flow process loads no model",
     }
 
@@ -53,6 +70,12 @@ def check_devices(spec: PipelineSpec) -> str:
     """The torch.distributed backend for this spec: nccl on GPUs, gloo on the CPU; clear errors otherwise."""
     n = spec.train.num_gpus
     device = spec.model.device
+    if device == "cpu" and spec.train.parallelism == "fsdp":
+        # accelerate turns FSDP on only for GPU backends: on the CPU the ranks would silently run DDP.
+        raise ValueError(
+            f"train.parallelism fsdp with model.device cpu: FSDP runs on GPUs only (accelerate enables it for "
+            f"GPU backends); use train.parallelism: ddp to run the {n} workers on the CPU"
+        )
     if device == "cpu":
         return "gloo"
     if device.startswith("cuda:"):
@@ -112,10 +135,10 @@ def launch(
             "--standalone",
             f"--nproc-per-node={nproc}",
             "-m",
-            "slimtune.train.ddp",
+            "slimtune.flows",
             str(job_dir),
         ]
-        log.info("launching %d DDP workers (%s): %s", nproc, backend, " ".join(cmd))
+        log.info("launching %d %s workers (%s): %s", nproc, spec.train.parallelism.upper(), backend, " ".join(cmd))
         returncode, tail = _run(cmd, _worker_env(nproc))
         result = job_dir / RESULT_FILE
         if returncode == 0 and result.is_file():
@@ -193,7 +216,7 @@ def _train_rank(job: dict, local_rank: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of one torchrun worker: `python -m slimtune.train.ddp JOB_DIR`."""
+    """Entry point of one torchrun worker: `python -m slimtune.flows JOB_DIR`."""
     import torch.distributed as dist
 
     from slimtune import atomic
@@ -205,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         job = json.loads((job_dir / "job.json").read_text(encoding="utf-8"))
         report = _train_rank(job, local_rank)
         # Trainer has set up the process group; gather every rank's throughput for the scaling report.
-        mine = {"rank": rank, "tokens_per_s": report["tokens_per_s"], "tokens_seen": report["tokens_seen"]}
+        # `rank_losses`: this rank's share of each logged loss; the logged loss is their mean (see the trainer).
+        mine = {
+            "rank": rank,
+            "tokens_per_s": report["tokens_per_s"],
+            "tokens_seen": report["tokens_seen"],
+            "losses": report["rank_losses"],
+        }
         ranks: list = [None] * world
         dist.all_gather_object(ranks, mine)
         if rank == 0:  # flat keys: the run report renders them as rows of the packed_sft table
@@ -234,7 +263,3 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

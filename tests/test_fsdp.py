@@ -1,0 +1,129 @@
+"""FSDP-QLoRA wiring (`train.parallelism: fsdp`), on the CPU: what can be checked without GPUs.
+
+accelerate enables FSDP only for GPU backends (on a CPU process group it would silently train DDP), so
+the training itself runs only on GPUs (benchmarks/ddp_bench.py, through the device tool). Checked here:
+the 4-bit storage dtype FSDP needs and that it leaves the NF4 bytes (so the merge) unchanged, the
+Trainer's FSDP settings, the guard's per-rank estimate, and the clear refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prefect_server import REPO
+
+from slimtune import registry
+from slimtune.spec import SpecError, load_spec, parse_spec
+
+# Qwen2.5-14B's shape: its NF4 weights (~9.7 GB with bf16 embeddings) plus a 4 x 2048 step do not fit 12 GiB.
+QWEN_14B = {
+    "model_type": "qwen2",
+    "hidden_size": 5120,
+    "intermediate_size": 13824,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
+_GIB = 1024**3
+
+
+def _spec(tmp_path, parallelism: str):
+    spec = load_spec(REPO / "deployments" / "tiny-smoke.yaml")
+    spec.output_dir, spec.name = str(tmp_path), parallelism
+    spec.train.num_gpus, spec.train.parallelism = 2, parallelism
+    return spec
+
+
+def test_fsdp_stores_nf4_in_the_compute_dtype_with_the_same_bytes(tmp_path):
+    """FSDP shards only float tensors: the packed NF4 bytes are viewed as the compute dtype, bytes unchanged."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import dequantize_4bit
+
+    from slimtune.tasks.load_4bit import load_4bit
+
+    weights = {}
+    for parallelism in ("ddp", "fsdp"):
+        try:
+            model = registry.get(load_4bit(_spec(tmp_path, parallelism)).handle)
+            layer = next(m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+            packed = layer.weight.data
+            weights[parallelism] = (
+                packed.dtype,
+                packed.view(torch.uint8).flatten().clone(),  # the packed bytes, whatever dtype views them
+                dequantize_4bit(packed, layer.weight.quant_state),
+            )
+        finally:
+            registry.release_all()
+    assert weights["ddp"][0] == torch.uint8 and weights["fsdp"][0] == torch.float32  # the CPU's compute dtype
+    assert torch.equal(weights["ddp"][1], weights["fsdp"][1])  # same bytes: the merge reproduces either
+    assert torch.equal(weights["ddp"][2], weights["fsdp"][2])
+
+
+def test_trainer_arguments_set_up_fsdp1_with_flat_parameters_and_no_checkpoints(tmp_path):
+    from slimtune.spec import TrainSpec
+    from slimtune.train.trainer import _arguments
+
+    args = _arguments(
+        TrainSpec(num_gpus=2, parallelism="fsdp"),
+        tmp_path,
+        micro_batch_size=2,
+        accumulation=1,
+        precision="fp32",
+        optim="adamw_torch",
+        device=torch.device("cpu"),
+        has_eval=False,
+        bucket_cap_mb=25,
+        fsdp=True,
+    )
+    plugin = args.fsdp_plugin_args
+    assert plugin["fsdp_version"] == 1 and plugin["use_orig_params"] is False, plugin
+    assert plugin["state_dict_type"] == "FULL_STATE_DICT" and plugin["sync_module_states"] is False
+    assert args.save_strategy == "no"
+    ddp = _arguments(
+        TrainSpec(num_gpus=2),
+        tmp_path,
+        micro_batch_size=2,
+        accumulation=1,
+        precision="fp32",
+        optim="adamw_torch",
+        device=torch.device("cpu"),
+        has_eval=False,
+        bucket_cap_mb=3,
+    )
+    assert ddp.fsdp_plugin_args is None and ddp.ddp_static_graph and ddp.ddp_bucket_cap_mb == 3
+
+
+def test_the_guard_estimates_fsdp_per_rank(tmp_path):
+    """14B, 4 x 2048 per GPU, a 12 GiB budget: one GPU does not fit, each of 2 FSDP ranks does.
+
+    Through the stage's own estimate (the kernels a GPU run applies; multi-GPU runs leave host_embedding out).
+    """
+    from slimtune.flows.stages import train_estimate
+
+    def estimate(num_gpus: int, parallelism: str):
+        spec = _spec(tmp_path, parallelism)
+        spec.train.num_gpus, spec.data.max_seq_length = num_gpus, 2048
+        spec.lora.r, spec.lora.target_modules = 16, "all-linear"
+        return train_estimate(spec, QWEN_14B, 4, "unsloth", device_type="cuda")
+
+    one, ddp, two = estimate(1, "ddp"), estimate(2, "ddp"), estimate(2, "fsdp")
+    assert one.gpu_bytes > 12 * _GIB > two.gpu_bytes, (one.gpu_bytes / _GIB, two.gpu_bytes / _GIB)
+    assert ddp.gpu_bytes > one.gpu_bytes  # a DDP rank keeps the input embeddings on its GPU
+    nf4, lora = "gpu: nf4 linears", "gpu: lora weights and grads (fp32)"
+    assert two.breakdown[nf4] * 2 - one.breakdown[nf4] in (0, 1)
+    assert two.breakdown[lora] * 2 - one.breakdown[lora] in (0, 1)
+    assert 0 < two.breakdown["gpu: gathered layers (FSDP: computing and prefetched)"] < one.breakdown[nf4] / 20
+    # Each rank loads the whole NF4 model before FSDP shards it: the estimate is never below that.
+    whole = sum(ddp.breakdown[k] for k in ("gpu: nf4 linears", "gpu: embeddings and lm_head"))
+    assert two.gpu_bytes >= whole + two.context_gpu_bytes
+
+
+def test_fsdp_refusals_name_the_fix(tmp_path):
+    from slimtune.flows import ranks
+
+    with pytest.raises(ValueError, match="use train.parallelism: ddp"):
+        ranks.check_devices(_spec(tmp_path, "fsdp"))  # the spec's device is cpu
+    with pytest.raises(SpecError, match="train.*paged_adamw_8bit.*use adamw_torch"):
+        parse_spec({"train": {"num_gpus": 2, "parallelism": "fsdp", "optimizer": "paged_adamw_8bit"}})
