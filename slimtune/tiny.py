@@ -144,7 +144,7 @@ def build_spm_tokenizer(style: str = "llama2", vocab_size: int = 1024):
     )
     if style == "llama2":
         # transformers 5.23 does not keep `legacy` in init_kwargs, so save_pretrained would drop it and the
-        # saved tokenizer would load as legacy=False; Llama 2's own tokenizer_config.json carries it.
+        # saved tokenizer would load as legacy=False; a real checkpoint's tokenizer_config.json carries it.
         tok.init_kwargs["legacy"] = True
     tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})  # CHAT_TEMPLATE's turn markers
     return tok
