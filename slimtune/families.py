@@ -130,9 +130,19 @@ def _phi3_hparams(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _phi3_check(config: dict[str, Any]) -> str | None:
+    """Phi-3 128k / Phi-3.5 / Phi-4-mini extend context with longrope, which llama.cpp's phi3 takes as
+    rope_factors_long/short tensors (one factor per rotary frequency); any other rope scaling it does not."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
-        return f"rope scaling {rope.get('rope_type') or rope.get('type')!r} (longrope) is not converted yet"
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind not in ("longrope", "su"):
+        return f"rope scaling {kind!r} is not converted for phi3 (only longrope, which llama.cpp's phi3 reads)"
+    n_freq = _phi3_hparams(config)[gguf.Keys.Rope.DIMENSION_COUNT] // 2
+    for key in ("long_factor", "short_factor"):
+        n = len(rope.get(key) or [])
+        if n != n_freq:
+            return f"longrope {key} has {n} values; llama.cpp needs one per rotary frequency ({n_freq})"
     return None
 
 

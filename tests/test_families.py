@@ -94,8 +94,15 @@ def test_configs_llama_cpp_cannot_reproduce_are_refused():
     gemma2 = build_model("gemma2", 64, num_hidden_layers=2).config.to_dict()
     assert "query_pre_attn_scalar 256" in check_architecture({**gemma2, "query_pre_attn_scalar": 256})
     phi3 = build_model("phi3", 64, num_hidden_layers=2).config.to_dict()
-    longrope = {**phi3, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}
-    assert "longrope" in check_architecture(longrope)
+    factors = {"long_factor": [2.0] * 24, "short_factor": [1.0] * 24}  # 24 = 3/4 of the 64-wide head, halved
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75, **factors}
+    assert check_architecture({**phi3, "rope_parameters": longrope}) is None  # llama.cpp's phi3 takes longrope
+    short = {**longrope, "short_factor": [1.0] * 32}
+    assert "short_factor has 32 values; llama.cpp needs one per rotary frequency (24)" in check_architecture(
+        {**phi3, "rope_parameters": short}
+    )
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    assert "rope scaling 'yarn' is not converted for phi3" in check_architecture({**phi3, "rope_parameters": yarn})
 
 
 def test_fused_lora_targets():
@@ -108,11 +115,13 @@ def test_fused_lora_targets():
         lora_target_modules("phi3", ["q_proj", "v_proj"])
 
 
-@pytest.mark.parametrize("command", ["validate", "run"])
-def test_cli_refuses_a_moe_model_before_any_work(tmp_path, capsys, command):
+@pytest.mark.parametrize(
+    "command,moe", [("validate", MOE_CONFIGS[0]), ("validate", MOE_CONFIGS[1]), ("run", MOE_CONFIGS[0])]
+)
+def test_cli_refuses_a_moe_model_before_any_work(tmp_path, capsys, command, moe):
     model_dir = save_tiny(tmp_path / "moe", "qwen2")  # real files; only the config says mixture-of-experts
     cfg = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**cfg, **MOE_CONFIGS[0]}))
+    (model_dir / "config.json").write_text(json.dumps({**cfg, **moe}))
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     spec = tmp_path / "spec.yaml"
@@ -121,7 +130,7 @@ def test_cli_refuses_a_moe_model_before_any_work(tmp_path, capsys, command):
     capsys.readouterr()  # drop what building the model printed
     assert main([command, str(spec)]) == EXIT_INVALID_SPEC
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "'qwen2_moe'" in err[0] and "slimtune supports llama" in err[0], err
+    assert len(err) == 1 and repr(moe["model_type"]) in err[0] and "slimtune supports llama" in err[0], err
     assert not (tmp_path / "runs").exists()  # nothing was started
 
 

@@ -16,9 +16,16 @@ from safetensors.torch import load_file
 
 from slimtune.export import GGUF_METHODS, convert_hf_to_gguf, needs_llama_cpp, resolve_method
 from slimtune.export.gguf_convert import _llama3_rope_factors
-from slimtune.export.gguf_tokenizer import _LLAMA3_REGEX, UnsupportedTokenizerError, pre_tokenizer_name
+from slimtune.export.gguf_tokenizer import (
+    _LLAMA3_REGEX,
+    UnsupportedTokenizerError,
+    _spm_scores,
+    _tokens_and_types,
+    pre_tokenizer_name,
+    spm_space_prefix,
+)
 from slimtune.families import FAMILIES as TABLE
-from slimtune.tiny import BUILTIN_PREFIX, FAMILIES, ensure_builtin
+from slimtune.tiny import BUILTIN_PREFIX, FAMILIES, build_spm_tokenizer, ensure_builtin
 
 Q = gguf.GGMLQuantizationType
 
@@ -222,9 +229,13 @@ def test_unknown_architecture_and_rope_are_refused(tiny_dirs, tmp_path):
     (model_dir / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         convert_hf_to_gguf(model_dir, tmp_path / "a.gguf")
-    rope = {"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}
+    rope = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
     (model_dir / "config.json").write_text(json.dumps({**cfg, "rope_parameters": rope}))
-    with pytest.raises(ValueError, match="'longrope' is not supported"):
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        convert_hf_to_gguf(model_dir, tmp_path / "b.gguf")
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "long_factor": [1.0] * 32, "short_factor": [1.0] * 32}
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "rope_parameters": rope}))
+    with pytest.raises(ValueError, match="longrope scaling on llama, whose llama.cpp architecture has no rope factor"):
         convert_hf_to_gguf(model_dir, tmp_path / "b.gguf")
     rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 16.0}
     (model_dir / "config.json").write_text(json.dumps({**cfg, "rope_parameters": rope}))
@@ -269,3 +280,44 @@ def test_pre_tokenizer_mapping_and_refusals(tiny_dirs):
     assert pre_tokenizer_name(variant("model.ignore_merges", True) | {"pre_tokenizer": split}) == "llama-bpe"
     with pytest.raises(UnsupportedTokenizerError, match="matches none"):
         pre_tokenizer_name(tj | {"pre_tokenizer": split})  # llama.cpp's llama-bpe ignores merges; this not
+
+
+def test_spm_tokenizer_shapes_and_refusals():
+    """SentencePiece-style tokenizers: which text preparation maps to llama.cpp's add_space_prefix, and what is
+    refused because llama.cpp's SPM vocabulary would tokenize differently (ids are checked in llama.cpp in
+    test_gguf_quant_verify)."""
+    llama2 = json.loads(build_spm_tokenizer("llama2").backend_tokenizer.to_str())
+    gemma = json.loads(build_spm_tokenizer("gemma").backend_tokenizer.to_str())
+    assert spm_space_prefix(llama2) is True and spm_space_prefix(gemma) is False
+    first = copy.deepcopy(llama2)
+    first["pre_tokenizer"]["prepend_scheme"] = "first"  # what transformers builds for legacy=False
+    with pytest.raises(UnsupportedTokenizerError, match="prepend_scheme 'first'"):
+        spm_space_prefix(first)
+    split = copy.deepcopy(llama2)
+    split["pre_tokenizer"]["split"] = True  # words split at spaces: llama.cpp merges across them
+    with pytest.raises(UnsupportedTokenizerError, match="is not how llama.cpp's SPM tokenizer"):
+        spm_space_prefix(split)
+    with pytest.raises(UnsupportedTokenizerError, match="Unigram"):
+        spm_space_prefix({**gemma, "model": {**gemma["model"], "type": "Unigram"}})
+
+    tokens, types = _tokens_and_types(gemma, len(gemma["model"]["vocab"]) + 64, "t")
+    assert types.count(int(gguf.TokenType.BYTE)) == 256 and types.count(int(gguf.TokenType.UNKNOWN)) == 1
+    scores = _spm_scores(gemma, tokens, types, "t")
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in gemma["model"]["merges"]]
+    for rank, (left, right) in enumerate(merges[:50]):  # a later merge never outranks an earlier token's
+        assert scores[tokens.index(left + right)] >= -rank
+    dropped = copy.deepcopy(gemma)
+    dropped["model"]["merges"] = gemma["model"]["merges"][:10] + gemma["model"]["merges"][11:]
+    with pytest.raises(UnsupportedTokenizerError, match="is not a merge"):
+        _spm_scores(dropped, tokens, types, "t")
+    swapped = copy.deepcopy(gemma)
+    order = gemma["model"]["merges"]
+    target = [i for i in range(1, len(merges)) if "".join(merges[i]) == "".join(merges[i - 1])][0]
+    moved = [order[target], order[target + 1], order[target - 1]]  # one of the token's merges moved past another's
+    swapped["model"]["merges"] = order[: target - 1] + moved + order[target + 2 :]
+    with pytest.raises(UnsupportedTokenizerError, match="not adjacent in rank order"):
+        _spm_scores(swapped, tokens, types, "t")
+    no_bytes = copy.deepcopy(gemma)
+    del no_bytes["model"]["vocab"]["<0x41>"]
+    with pytest.raises(UnsupportedTokenizerError, match="without the byte tokens <0x41>"):
+        _tokens_and_types(no_bytes, 2048, "t")

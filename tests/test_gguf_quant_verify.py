@@ -15,7 +15,16 @@ from slimtune.export import GGUFVerifyError, convert_hf_to_gguf, gguf_quantize, 
 from slimtune.export.gguf_tokenizer import _LLAMA3_REGEX, _QWEN2_REGEX
 from slimtune.export.gguf_verify import compare_logits, llama_cpp_logits, llama_cpp_tokenize, load_llama
 from slimtune.families import FAMILIES as TABLE
-from slimtune.tiny import BUILTIN_PREFIX, FAMILIES, build_model, ensure_builtin, save_tiny
+from slimtune.tiny import (
+    BUILTIN_PREFIX,
+    FAMILIES,
+    SPM_STYLES,
+    build_model,
+    build_spm_tokenizer,
+    ensure_builtin,
+    ensure_pretrained,
+    save_tiny,
+)
 
 Q = gguf.GGMLQuantizationType
 
@@ -88,54 +97,67 @@ def test_f32_gguf_logits_match_hf(llama_cpp, tiny, ggufs, family):
     json.dumps(report)  # goes into the run report as is
 
 
-def _agreement(llm, model_dir: Path, margin: float) -> tuple[float, float, float]:
-    """(all positions, decisive positions, decisive share): argmax agreement of llama.cpp with the fp32 HF
-    model, overall and where HF's best two logits are more than `margin` apart."""
+# The tokenizer each family's released checkpoints ship: SentencePiece style for the Gemmas, Mistral v0.1 and
+# Phi-3-mini (Llama 2's), byte-level BPE for Llama 3, Qwen, Granite and OLMo 2 (Phi-4-mini's gpt-4o BPE is
+# byte-level too); "llama-2" is the llama architecture with Llama 2's tokenizer.
+_SPM_STYLE = {"gemma": "gemma", "gemma2": "gemma", "gemma3_text": "gemma", "mistral": "llama2", "phi3": "llama2"}
+CASES = [*FAMILIES, "llama-2"]
+
+
+def _pretrained(case: str) -> Path:
+    """The case's tiny model after a few optimizer steps (slimtune.tiny.pretrain says why), cached on disk."""
+    family, style = ("llama", "llama2") if case == "llama-2" else (case, _SPM_STYLE.get(case, "bpe"))
+    return ensure_pretrained(family, style)
+
+
+def _flips(path: Path, model_dir: Path) -> list[tuple[float, float]]:
+    """(HF's top-2 logit gap, llama.cpp's largest logit error there) at each position where the GGUF picks
+    another next token than the fp32 HF model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    same, clear = [], []
+    llm = load_llama(path)
+    out = []
     with torch.no_grad():
         for prompt in PROMPTS:
             ids = tokenizer(prompt)["input_ids"]
             ref = model(torch.tensor([ids])).logits[0].numpy()
-            same.append(llama_cpp_logits(llm, ids).argmax(-1) == ref.argmax(-1))
+            got = llama_cpp_logits(llm, ids)
             top2 = np.sort(ref, axis=-1)[:, -2:]
-            clear.append(top2[:, 1] - top2[:, 0] > margin)
-    same, clear = np.concatenate(same), np.concatenate(clear)
-    return float(same.mean()), float(same[clear].mean()), float(clear.mean())
+            for i in np.flatnonzero(got.argmax(-1) != ref.argmax(-1)):
+                out.append((float(top2[i, 1] - top2[i, 0]), float(np.abs(got[i] - ref[i]).max())))
+    llm.close()
+    return out
 
 
-# Random tiny models have many near-tied logits (median top-2 gap 0.03-0.08). Where HF's best two logits
-# are closer than a file's logit error, the next token is a coin toss for that file, not a conversion
-# error: f16 errors measured up to 2.1e-3 (gemma3_text), q8_0 up to 0.046 (gemma3_text).
-_F16_MARGIN, _Q8_MARGIN = 0.01, 0.05
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_f16_gguf_logits_match_hf(llama_cpp, tiny, ggufs, family):
-    """Every family's f16 file: llama.cpp's token ids are HF's, and it picks HF's next token at every
-    position that is not a near tie (gemma's +1 norms, Gemma 2 soft-capping, sliding windows, Phi-3's
+@pytest.mark.parametrize("case", CASES)
+def test_f16_gguf_matches_hf_at_every_position(llama_cpp, tmp_path, case):
+    """Every family's f16 file: llama.cpp's token ids are HF's (byte-level BPE or SentencePiece style) and it
+    picks HF's next token at every position (gemma's +1 norms, Gemma 2 soft-capping, sliding windows, Phi-3's
     fused projections, Granite's multipliers and OLMo 2's post-norms all survive f16)."""
-    report = verify_gguf(ggufs(family, "f16"), tiny[family], PROMPTS)
-    assert report["token_ids_equal"], report
-    assert 1e-7 < report["max_abs_logit_diff"] < 1e-2, report  # f16 weights round at 2^-11 relative
-    llm = load_llama(ggufs(family, "f16"))
-    overall, decisive, share = _agreement(llm, tiny[family], _F16_MARGIN)
-    llm.close()
-    assert decisive == 1.0 and share > 0.8, (overall, decisive, share)
-    assert overall >= 0.99, overall  # measured: 1.0 for every family but qwen3 (0.994, one near tie)
+    model_dir = _pretrained(case)
+    [path] = convert_hf_to_gguf(model_dir, tmp_path / f"{case}-f16.gguf", "f16")
+    report = verify_gguf(path, model_dir, PROMPTS)
+    assert report["token_ids_equal"] and report["positions"] > 150, report
+    # f16 rounds weights and activations at 2^-11: where HF's best two logits are closer than twice the file's
+    # own logit error at that position, either order is right to f16 precision. Measured: 1 such position in
+    # the ~2000 of all cases (llama, prompt 3: gap 0.008, error 0.010); every other position agrees.
+    flips = [] if report["argmax_agreement"] == 1.0 else _flips(path, model_dir)
+    assert all(gap < 2 * err for gap, err in flips) and len(flips) <= 0.01 * report["positions"], flips
+    # f16 weights round at 2^-11 relative; after pretraining the logits reach ~10-20 and errors measured up
+    # to 0.19 (mistral); a conversion mistake moves logits by whole units
+    assert 1e-7 < report["max_abs_logit_diff"] < 0.5, report
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_q8_0_gguf_picks_hf_next_token(llama_cpp, tiny, ggufs, family):
-    """q8_0 against the fp32 HF model: at least 98% of the decisive positions agree, at least 93% of all."""
-    llm = load_llama(ggufs(family, "q8_0"))
-    overall, decisive, share = _agreement(llm, tiny[family], _Q8_MARGIN)
-    llm.close()
-    assert decisive >= 0.98 and share > 0.5, (family, overall, decisive, share)
-    assert overall >= 0.93, (family, overall)
+@pytest.mark.parametrize("case", CASES)
+def test_q8_0_gguf_picks_hf_next_token(llama_cpp, tmp_path, case):
+    """q8_0 against the fp32 HF model: the same next token at >= 98% of all positions."""
+    model_dir = _pretrained(case)
+    [path] = convert_hf_to_gguf(model_dir, tmp_path / f"{case}-q8_0.gguf", "q8_0")
+    report = verify_gguf(path, model_dir, PROMPTS)
+    assert report["token_ids_equal"] and report["argmax_agreement"] >= 0.98, report
+    assert report["max_abs_logit_diff"] > 1e-3, report  # 8-bit weights really moved the logits
 
 
 def _quantized_file(ggufs, tmp_path: Path, family: str, method: str) -> Path:
@@ -307,6 +329,67 @@ def test_split_regex_tokenizers_map_to_identical_llama_cpp_pre(llama_cpp, tmp_pa
     llm.close()
 
 
+# Beyond TEXTS: text starting with newlines, long digit runs, and characters SentencePiece-style vocabularies
+# spell with <0xNN> byte tokens (accents, CJK, emoji) next to ones they know.
+SPM_TEXTS = [
+    "\n\nstarts with newlines",
+    "digits 0123456789 9876543210",
+    "emoji🙂inside, ümlaut at the end ü",
+    "<|im_start|>user\nnaïve café? 中文<|im_end|>\n",
+]
+
+
+def _spm_model(tmp_path: Path, tokenizer) -> Path:
+    build_model("llama", len(tokenizer), num_hidden_layers=1).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    [path] = convert_hf_to_gguf(tmp_path / "m", tmp_path / "m.gguf", "f16")
+    return path
+
+
+@pytest.mark.parametrize("style", SPM_STYLES)
+def test_spm_tokenizers_give_hf_ids_in_llama_cpp(llama_cpp, tmp_path, style):
+    """Llama 2 / Gemma style tokenizers as transformers 5 loads them (LlamaTokenizer legacy=True, GemmaTokenizer),
+    written as llama.cpp's SPM vocabulary: the same ids, byte fallback included."""
+    from transformers import AutoTokenizer
+
+    path = _spm_model(tmp_path, build_spm_tokenizer(style))
+    fields = gguf.GGUFReader(path).fields
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() == (style == "llama2")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "m")
+    byte_ids = {hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    assert set(hf("🙂")["input_ids"]) & byte_ids  # the emoji really takes the byte fallback
+    space = hf.convert_tokens_to_ids("\u2581")
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in TEXTS + SPM_TEXTS:
+        expected = hf(text)["input_ids"]
+        if style == "llama2" and text.startswith(" "):
+            # the documented difference (gguf_tokenizer.spm_space_prefix): llama.cpp puts its "▁" in front of
+            # text that already starts with a space, transformers' Metaspace does not
+            expected = expected[:1] + [space] + expected[1:]
+        assert llama_cpp_tokenize(llm, text) == expected, text
+    llm.close()
+
+
+def test_llama2_tokenizer_json_normalizers_give_identical_ids(llama_cpp, tmp_path):
+    """The tokenizer.json form of Llama 2 (Prepend + Replace normalizers, no pre-tokenizer), loaded as is,
+    matches llama.cpp everywhere, leading spaces included."""
+    from tokenizers import normalizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    spm = build_spm_tokenizer("llama2")
+    backend = spm.backend_tokenizer
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.pre_tokenizer = None
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    path = _spm_model(tmp_path, tokenizer)
+    hf = AutoTokenizer.from_pretrained(tmp_path / "m")
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in TEXTS + SPM_TEXTS:
+        assert llama_cpp_tokenize(llm, text) == hf(text)["input_ids"], text
+    llm.close()
+
+
 def test_our_q8_0_bytes_equal_llama_cpp_quantizer(llama_cpp, ggufs, tmp_path):
     ours = {t.name: t for t in gguf.GGUFReader(ggufs("llama", "q8_0")).tensors}
     theirs_path = quantize_gguf(ggufs("llama", "f32"), tmp_path / "llama-q8_0-llamacpp.gguf", "q8_0")
@@ -358,6 +441,35 @@ def test_rope_scaling_matches_hf_in_llama_cpp(llama_cpp, tmp_path, rope):
     [path] = convert_hf_to_gguf(model_dir, tmp_path / "m.gguf", "f32")
     report = verify_gguf(path, model_dir, PROMPTS)
     assert report["max_abs_logit_diff"] < 1e-4, report
+
+
+@pytest.mark.parametrize("original", [16, 256], ids=["long_factor", "short_factor"])
+def test_phi3_longrope_matches_hf_in_llama_cpp(llama_cpp, tmp_path, original):
+    """Phi-3 128k / Phi-3.5 / Phi-4-mini longrope: every prompt is longer than 16 positions and shorter than
+    256, so HF uses long_factor for the first and short_factor for the second, as llama.cpp does for a context
+    above / below the original length (verify_gguf loads it with a context of the longest prompt, >= 64)."""
+    import shutil
+
+    n_freq = int(64 * 0.75) // 2  # the tiny phi3 rotates 3/4 of each 64-wide head
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": original,
+        "long_factor": np.linspace(1.0, 8.0, n_freq).tolist(),
+        "short_factor": np.linspace(1.0, 1.5, n_freq).tolist(),
+    }
+    model_dir = save_tiny(tmp_path / "m", "phi3", rope_parameters=rope, original_max_position_embeddings=original)
+    [path] = convert_hf_to_gguf(model_dir, tmp_path / "m.gguf", "f32")
+    assert {"rope_factors_long.weight", "rope_factors_short.weight"} <= set(_tensor_types(path))
+    report = verify_gguf(path, model_dir, PROMPTS)
+    assert report["max_abs_logit_diff"] < 1e-4 and report["token_ids_equal"], report
+    # the comparison can fail: the same weights without the scaling are far from this file
+    plain = shutil.copytree(model_dir, tmp_path / "plain")
+    config = json.loads((plain / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    (plain / "config.json").write_text(json.dumps(config))
+    assert verify_gguf(path, plain, PROMPTS[:1])["max_abs_logit_diff"] > 1e-3
 
 
 def test_quantize_without_the_extra_says_how_to_install(monkeypatch, tmp_path):

@@ -12,6 +12,7 @@ Layout differences from HF that llama.cpp expects:
   order to llama.cpp's interleaved rope pairs (per head, rows [0..d/2) and [d/2..d) are interleaved).
 - Gemma RMSNorms multiply by (1 + w); llama.cpp multiplies by w, so 1 is added to every norm weight.
 - Llama-3 rope scaling becomes a `rope_freqs` tensor of per-frequency divisors.
+- Phi-3 longrope becomes `rope_factors_long` / `rope_factors_short` tensors and a cos/sin attn_factor.
 - Architectures without an output tensor in llama.cpp (the Gemmas) read the embeddings instead.
 """
 
@@ -21,6 +22,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -164,6 +166,8 @@ def _plan_tensors(model_dir: Path, config: dict[str, Any], family: Family, defau
         yield _Planned(
             gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", lambda: rope_freqs, rope_freqs.shape, Q.F32
         )
+    for name, factors in _longrope_factors(config, family):
+        yield _Planned(name, lambda f=factors: f, factors.shape, Q.F32)
     for file, key in _safetensors_keys(model_dir):
         if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
             continue  # recomputed by llama.cpp / shared with token_embd
@@ -270,16 +274,52 @@ def _llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
     return factors.astype(np.float32)
 
 
+def _longrope_factors(config: dict[str, Any], family: Family) -> list[tuple[str, np.ndarray]]:
+    """Longrope's per-frequency divisors as llama.cpp's rope_factors_long/short tensors (empty without longrope).
+
+    transformers divides each rotary frequency by short_factor while the sequence fits in
+    original_max_position_embeddings and by long_factor beyond it; llama.cpp picks the tensor once, by the
+    context it was loaded with (long when n_ctx exceeds the original length). The two agree wherever the
+    sequence and the context are on the same side of that length.
+    """
+    _, scaling = _rope(config)
+    if not scaling or (scaling.get("rope_type") or scaling.get("type")) not in ("longrope", "su"):
+        return []
+    if gguf.MODEL_TENSOR.ROPE_FACTORS_LONG not in gguf.MODEL_TENSORS[family.gguf_arch]:
+        raise ValueError(
+            f"config.json: longrope scaling on {family.gguf_name}, whose llama.cpp architecture has no rope factor "
+            "tensors; the GGUF converter supports longrope for phi3 only"
+        )
+    return [
+        (gguf.TENSOR_NAMES[tensor] + ".weight", np.asarray(scaling[key], dtype=np.float32))
+        for tensor, key in (
+            (gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, "long_factor"),
+            (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, "short_factor"),
+        )
+    ]
+
+
+def _longrope_attention_factor(scaling: dict[str, Any], config: dict[str, Any]) -> float:
+    """transformers' longrope cos/sin scale: attention_factor, else sqrt(1 + ln(factor) / ln(original length))
+    with factor = max_position_embeddings / original_max_position_embeddings unless given."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    orig = float(
+        scaling.get("original_max_position_embeddings")
+        or config.get("original_max_position_embeddings")
+        or config["max_position_embeddings"]
+    )
+    factor = float(scaling.get("factor") or config["max_position_embeddings"] / orig)
+    return math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1.0 else 1.0
+
+
 def _model_name(model_dir: Path) -> str:
-    """`general.name`: the folder name, except that llama.cpp (0.3.36, llama-vocab.cpp) applies its
-    Phi-3 special-token rules to any model whose name contains "phi3" or "phi-3", and fails to load
-    ("unordered_map::at") when the vocabulary has no "</s>" (Phi-4-mini's has none); such a name is
-    written without the match so the rules stay off where they cannot apply."""
-    name = model_dir.name
-    if "phi3" not in name.lower() and "phi-3" not in name.lower():
-        return name
-    vocab = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8")).get("model", {}).get("vocab", {})
-    return name if "</s>" in vocab else name.lower().replace("phi-3", "phi").replace("phi3", "phi")
+    """`general.name`: the folder name, without "phi3"/"phi-3". llama.cpp (0.3.36, llama-vocab.cpp) applies its
+    Phi-3 rules to any model whose name contains them: every special token strips the whitespace after it
+    (RSTRIP), and loading fails ("unordered_map::at") unless <unk>, <s>, </s> and <|endoftext|> all exist.
+    The converter only writes tokenizers whose added tokens strip nothing (`_tokens_and_types` refuses the
+    others), so with those rules llama.cpp would tokenize differently after every special token."""
+    return re.sub(r"(phi)-?3", r"\1", model_dir.name, flags=re.IGNORECASE)  # llama.cpp lower-cases the name
 
 
 def _add_hparams(
@@ -334,6 +374,9 @@ def _add_rope_scaling(writer: gguf.GGUFWriter, scaling: dict[str, Any], config: 
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind == "llama3":
         return  # carried by the rope_freqs tensor
+    if kind in ("longrope", "su"):  # the factors are tensors; llama.cpp scales cos/sin by attn_factor
+        writer.add_rope_scaling_attn_factors(_longrope_attention_factor(scaling, config))
+        return
     if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
@@ -358,5 +401,5 @@ def _add_rope_scaling(writer: gguf.GGUFWriter, scaling: dict[str, Any], config: 
     else:
         raise ValueError(
             f"config.json: rope scaling type {kind!r} is not supported by the GGUF converter "
-            "(supported: linear, yarn, llama3)"
+            "(supported: linear, yarn, llama3, and longrope for phi3)"
         )

@@ -13,17 +13,26 @@ differently with no error anywhere. We recognise three shapes exactly and refuse
   (as vendored by llama-cpp-python 0.3.36) and the ids are checked against HF in the tests.
 - `Split(<Llama-3 regex>) + ByteLevel(use_regex=False)` with ignore_merges -> "llama-bpe".
 - `Split(<Qwen2 regex>) + ByteLevel(use_regex=False)` -> "qwen2".
+
+SentencePiece-style tokenizers (Llama 2, Mistral v0.1, Phi-3-mini, the Gemmas) reach us as a BPE model
+with `byte_fallback` over "▁"-marked text; llama.cpp runs them as its "llama" (SPM) vocabulary, which
+has no merges list: it merges the adjacent pair whose joined text is the vocab token of highest score,
+and spells leftover characters as `<0xNN>` byte tokens. `spm_space_prefix` and `_spm_scores` say when
+that tokenizes exactly like HF's BPE, and refuse the rest.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import gguf
 
 _GPT2 = "gpt-2"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
+_SPACE = "▁"  # SentencePiece's visible space (U+2581)
 _LLAMA3_REGEX = (
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}"
     "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
@@ -111,6 +120,88 @@ def _match_pre(steps: list[dict[str, Any]], ignore_merges: bool, normalizer: dic
     return None
 
 
+def spm_space_prefix(tokenizer_json: dict[str, Any], source: str = "tokenizer.json") -> bool:
+    """Whether llama.cpp must prefix "▁" to this SentencePiece-style tokenizer's text (`add_space_prefix`), or raise.
+
+    llama.cpp's SPM tokenizer replaces every space with "▁", adds one "▁" in front of the text and after
+    every special token when `add_space_prefix` is set, and never splits the text into words. These HF
+    shapes do the same: Llama 2's tokenizer.json normalizers `Prepend("▁") + Replace(" ", "▁")` (prefix),
+    Gemma's `Replace(" ", "▁")` (no prefix; its `Split(" ")` pre-tokenizer then finds no space), and
+    `Metaspace(split=False)` with prepend_scheme "never", or "always" (what transformers 5 builds for Llama 2,
+    Mistral and Phi-3 with legacy=True). One documented difference remains with "always": where a text (or
+    the text after a special token) already starts with a space, Metaspace adds no second "▁" while
+    llama.cpp, like sentencepiece itself, does (" hi" -> HF "▁hi", llama.cpp "▁", "▁hi"); as with NFC above,
+    it is accepted because refusing would refuse every Llama 2 style model, and it is tested.
+
+    Raises:
+        UnsupportedTokenizerError: naming what differs, e.g. prepend_scheme "first" (transformers' legacy=False),
+            which prefixes the start of the text only, where llama.cpp prefixes after every special token too.
+    """
+    model = tokenizer_json.get("model") or {}
+    if model.get("type") != "BPE" or not model.get("byte_fallback"):
+        raise UnsupportedTokenizerError(
+            f"{source}: model type {model.get('type')!r} (byte_fallback={model.get('byte_fallback')!r}) is not a "
+            "SentencePiece-style BPE; Unigram models would need llama.cpp's UGM vocabulary, which is not written"
+        )
+    for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout", "ignore_merges"):
+        if model.get(field):
+            raise UnsupportedTokenizerError(f"{source}: model.{field}={model[field]!r} has no llama.cpp SPM equivalent")
+    normalizer, pre = tokenizer_json.get("normalizer"), tokenizer_json.get("pre_tokenizer")
+    steps = normalizer.get("normalizers", []) if normalizer and normalizer.get("type") == "Sequence" else [normalizer]
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE}
+    space_split = {"type": "Split", "pattern": {"String": " "}}
+    if steps == [{"type": "Prepend", "prepend": _SPACE}, replace] and pre is None:
+        return True
+    if steps == [replace] and (pre is None or {k: pre.get(k) for k in space_split} == space_split):
+        return False
+    if normalizer is None and pre and pre.get("type") == "Metaspace" and pre.get("replacement") == _SPACE:
+        scheme = pre.get("prepend_scheme", "always")
+        if not pre.get("split") and scheme in ("always", "never"):
+            return scheme == "always"
+    raise UnsupportedTokenizerError(
+        f"{source}: normalizer {json.dumps(normalizer)} with pre-tokenizer {json.dumps(pre)} is not how llama.cpp's "
+        "SPM tokenizer prepares text (spaces to '▁', one '▁' in front and after each special token or none, no "
+        "word splitting); a Metaspace with prepend_scheme 'first' (transformers' legacy=False) differs after "
+        'special tokens: set "legacy": true in tokenizer_config.json (sentencepiece\'s own behaviour; '
+        "transformers 5.23's save_pretrained drops it), or keep the model in safetensors"
+    )
+
+
+def _spm_scores(tj: dict[str, Any], tokens: list[str], types: list[int], source: str) -> list[float]:
+    """Scores under which llama.cpp's SPM merging picks the same pairs as HF's BPE merges, or raise.
+
+    HF merges the adjacent pair of lowest merge rank; llama.cpp merges the adjacent pair whose joined text is
+    the token of highest score. They agree when (1) every way to split a normal token into two tokens is a
+    merge (llama.cpp can join any two pieces that form a token), and (2) each token's merges are adjacent in
+    rank order, so that score = -(rank of the token's first merge) orders all merges as the ranks do. That is
+    how transformers builds the merges of a SentencePiece model (`generate_merges`), and what this checks.
+    Scores of tokens no merge produces (characters, bytes, specials) are never read by llama.cpp's merging.
+    """
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in tj["model"]["merges"]]
+    score: dict[str, float] = {}
+    previous = None
+    for rank, (left, right) in enumerate(merges):
+        target = left + right
+        if target in score and target != previous:
+            raise UnsupportedTokenizerError(
+                f"{source}: the merges of {target!r} are not adjacent in rank order (merge {rank}: {left!r} + "
+                f"{right!r}); llama.cpp's SPM vocabulary orders merges by one score per token"
+            )
+        score.setdefault(target, -float(rank))
+        previous = target
+    merge_set = set(merges)
+    normal = {t for t, ty in zip(tokens, types) if ty == gguf.TokenType.NORMAL}
+    for token in normal:
+        for k in range(1, len(token)):
+            pair = (token[:k], token[k:])
+            if pair[0] in normal and pair[1] in normal and pair not in merge_set:
+                raise UnsupportedTokenizerError(
+                    f"{source}: {pair[0]!r} + {pair[1]!r} forms the token {token!r} but is not a merge; llama.cpp's "
+                    "SPM tokenizer would join them where HF does not (the merges were not built from the vocab)"
+                )
+    return [score.get(t, 0.0) for t in tokens]
+
+
 def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> None:
     """Write the tokenizer of `model_dir` into `writer`, padded to the model's `n_vocab` embedding rows.
 
@@ -132,13 +223,23 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> Non
             "tokenizers are not converted, save a tokenizer.json"
         )
     tj = json.loads(backend.to_str())
-    pre = pre_tokenizer_name(tj, source)
-    tokens, types = _tokens_and_types(tj, n_vocab, source)
-    writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+    if (tj.get("model") or {}).get("byte_fallback"):
+        add_space_prefix = spm_space_prefix(tj, source)
+        tokens, types = _tokens_and_types(tj, n_vocab, source)
+        writer.add_tokenizer_model("llama")  # llama.cpp's name for SentencePiece-style vocabularies
+        writer.add_tokenizer_pre("default")  # read by no SPM code path; written as llama.cpp's converter does
+        writer.add_token_list(tokens)
+        writer.add_token_scores(_spm_scores(tj, tokens, types, source))
+        writer.add_token_types(types)
+        writer.add_add_space_prefix(add_space_prefix)  # llama.cpp's SPM default is True: always explicit
+    else:
+        pre = pre_tokenizer_name(tj, source)
+        tokens, types = _tokens_and_types(tj, n_vocab, source)
+        writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
     for name, add in (
         ("bos", writer.add_bos_token_id),
         ("eos", writer.add_eos_token_id),
@@ -158,6 +259,16 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> Non
 def _tokens_and_types(tj: dict[str, Any], n_vocab: int, source: str) -> tuple[list[str], list[int]]:
     by_id: dict[int, str] = {i: t for t, i in tj["model"]["vocab"].items()}
     types = {i: gguf.TokenType.NORMAL for i in by_id}
+    if tj["model"].get("byte_fallback"):  # SPM: llama.cpp spells unknown characters with the BYTE tokens
+        for i, t in by_id.items():
+            if _BYTE_TOKEN.fullmatch(t):
+                types[i] = gguf.TokenType.BYTE
+        missing = sorted(set(range(256)) - {int(t[3:5], 16) for t in by_id.values() if _BYTE_TOKEN.fullmatch(t)})
+        if missing:
+            raise UnsupportedTokenizerError(
+                f"{source}: byte_fallback without the byte tokens {', '.join(f'<0x{b:02X}>' for b in missing[:4])}"
+                f"{'...' if len(missing) > 4 else ''}; llama.cpp needs all 256 <0xNN> tokens to spell unknown text"
+            )
     for added in tj.get("added_tokens", []):
         if added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
             raise UnsupportedTokenizerError(
@@ -166,6 +277,9 @@ def _tokens_and_types(tj: dict[str, Any], n_vocab: int, source: str) -> tuple[li
             )
         by_id[added["id"]] = added["content"]
         types[added["id"]] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+    unk = tj["model"].get("unk_token")
+    if tj["model"].get("byte_fallback") and unk in tj["model"]["vocab"]:
+        types[tj["model"]["vocab"][unk]] = gguf.TokenType.UNKNOWN  # as sentencepiece marks it
     size = max(by_id) + 1
     if size > n_vocab:
         raise UnsupportedTokenizerError(
