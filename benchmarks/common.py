@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -31,8 +32,10 @@ from slimtune.memory.sampler import PeakSampler  # imports neither transformers 
 
 GiB = 1024**3
 # hf_gc: HF + peft + bitsandbytes with checkpointing (the baseline of every ratio); hf_nogc: without;
-# liger: hf_gc + liger-kernel; unsloth: Unsloth; ours: slimtune. Also the order of every table.
-CONFIGS = ("hf_gc", "hf_nogc", "liger", "unsloth", "ours")
+# liger: hf_gc + liger-kernel; unsloth: Unsloth; ours: slimtune's kernels in the hand loop (a diagnostic);
+# product: slimtune's attach_lora + packed_sft task functions (benchmarks/product.py); product_sdpa: the same
+# with packed rows on SDPA's dense block mask (a diagnostic). Also the order of every table.
+CONFIGS = ("hf_gc", "hf_nogc", "liger", "unsloth", "product", "ours", "product_sdpa")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RANK = 16
 SEED = 0
@@ -252,6 +255,61 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class ProcessRssSampler:
+    """Peak host RSS of this process, sampled every `interval_s` by a child process reading /proc.
+
+    The in-process sampler thread (slimtune.memory.sampler) wakes every 20 ms and takes the GIL from the
+    training loop, whose batch-1 steps are host-bound; from another process the training loop pays nothing
+    between `__enter__` and `__exit__`.
+    """
+
+    _CHILD = (
+        "import os, select, sys\n"
+        "pid, dt, page, peak = sys.argv[1], float(sys.argv[2]), os.sysconf('SC_PAGE_SIZE'), 0\n"
+        "while True:\n"
+        "    with open(f'/proc/{pid}/statm') as f:\n"
+        "        peak = max(peak, int(f.read().split()[1]) * page)\n"
+        "    if select.select([sys.stdin], [], [], dt)[0]:\n"
+        "        break\n"
+        "print(peak, flush=True)\n"
+    )
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        self.interval_s = interval_s
+        self.start_host_rss = self.peak_host_rss = 0
+        self._child: subprocess.Popen | None = None
+
+    @staticmethod
+    def _rss() -> int:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def __enter__(self) -> ProcessRssSampler:
+        self.start_host_rss = self.peak_host_rss = self._rss()
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", self._CHILD, str(os.getpid()), str(self.interval_s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        out, _ = self._child.communicate(input="")  # EOF on its stdin ends the loop; it prints the peak
+        self.peak_host_rss = max(self.peak_host_rss, self._rss(), int(out.strip() or 0))
+
+
+class ThreadRssSampler(PeakSampler):
+    """The in-process sampler thread, kept to compare against `ProcessRssSampler` (`--rss-sampler thread`)."""
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        super().__init__("cpu", interval_s=interval_s)
+
+
+RSS_SAMPLERS = {"process": ProcessRssSampler, "thread": ThreadRssSampler}
+
+
 class GpuPeak:
     """Allocator high-water marks over a block: reset on entry, read on exit (None off CUDA)."""
 
@@ -450,6 +508,7 @@ def measure_training(
     steps: int,
     device: str,
     notes: dict[str, Any] | None = None,
+    rss_sampler: str = "process",
 ) -> dict[str, Any]:
     """Train `warmup + steps` steps of one (config, batch) and return its row; never raises.
 
@@ -473,8 +532,8 @@ def measure_training(
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    rss, mem = PeakSampler("cpu", interval_s=0.02), GpuPeak(device)
-    row = make_row(model_key, config, batch, seq, "ok", warmup=warmup, notes=notes or {})
+    rss, mem = RSS_SAMPLERS[rss_sampler](), GpuPeak(device)
+    row = make_row(model_key, config, batch, seq, "ok", warmup=warmup, notes=notes or {}, rss_sampler=rss_sampler)
     try:
         with rss, mem:
             times, losses = run_steps(step, warmup, steps, device)

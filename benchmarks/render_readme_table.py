@@ -89,12 +89,14 @@ def render_section(results: list[dict[str, Any]]) -> str:
         "",
         f"Random weights with the real shapes of {models}; NF4 with double quantization, LoRA "
         f"r={settings.get('lora_rank', 16)} on the seven projections, bf16 autocast, AdamW, "
-        f"seq {settings.get('seq')}. tokens/s = batch × seq / the median of {settings.get('steps')} timed "
-        f"steps after {settings.get('warmup')} warm-up steps; min / median / max step times show the noise. "
-        "Peak GPU "
-        "memory is the allocator's high-water mark over all steps; host RSS is the worker process's peak, "
-        "sampled every 20 ms. A config whose package was absent says `not installed`: no number is ever "
-        "estimated.",
+        f"seq {settings.get('seq')}. `product` is slimtune's own training path (the `attach_lora` and "
+        "`packed_sft` task functions: Trainer, packing, collator, callbacks) on a chat JSONL; its tokens/s "
+        "counts real tokens and is the median, from the train report, of the optimizer steps after "
+        f"{settings.get('warmup')} warm-up steps. The other configs train one fixed random batch: tokens/s "
+        f"= batch × seq / the median of {settings.get('steps')} timed steps after the warm-up; `ours` "
+        "(slimtune's kernels in that hand loop) is a diagnostic. Peak GPU memory is the allocator's "
+        "high-water mark over all steps; host RSS is the worker process's peak, sampled every 20 ms from a "
+        "child process. A config whose package was absent says `not installed`: no number is ever estimated.",
         "",
         "Command (on the GPU machine, after installing the carried wheels as in benchmarks/README.md):",
         "",

@@ -7,7 +7,10 @@ fused AdamW, one fixed random batch):
   hf_nogc  the same without checkpointing
   liger    hf_gc + liger-kernel (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy)
   unsloth  Unsloth's FastLanguageModel on the same random weights saved to local disk, "unsloth" checkpointing
-  ours     slimtune: enable_checkpointing(model, "unsloth") + apply_kernels(model, "auto"), loss via ours_loss
+  product  slimtune as users run it: the attach_lora and packed_sft task functions (Trainer, packing, collator,
+           callbacks) on a chat JSONL; tokens/s from the train report's steps after warm-up (benchmarks/product.py)
+  ours     a diagnostic hand loop: enable_checkpointing(model, "unsloth") + apply_kernels(model, "auto")
+  product_sdpa  a diagnostic: product with packed rows on SDPA's dense block mask instead of varlen flash
 A config whose package does not import is recorded as "not installed"; nothing is ever estimated.
 
 Isolation: one worker process per (model, process group). hf_gc and hf_nogc share a process and a model
@@ -69,9 +72,12 @@ from benchmarks.common import (
     write_json_atomic,
     write_text_atomic,
 )
+from benchmarks.product import PRODUCT_CONFIGS, product_worker
 from benchmarks.report import compute_ratios, render_markdown
 
-_GROUPS = (("hf_gc", "hf_nogc"), ("ours",), ("liger",), ("unsloth",))
+# Headline comparison first (baseline, product, hand loop, Unsloth), diagnostics last, so a run cut short by the
+# budget still holds it.
+_GROUPS = (("hf_gc", "hf_nogc"), ("product",), ("ours",), ("unsloth",), ("product_sdpa",), ("liger",))
 # Packages whose absence makes a config "not installed" (checked with find_spec, without importing).
 _NEEDS = {"liger": "liger_kernel", "unsloth": "unsloth"}
 _WORKER_MIN_S = 20  # do not start a worker with less budget left than this: it could not finish a row
@@ -187,6 +193,7 @@ def train_worker(
     steps: int,
     device: str,
     out: Path | None = None,
+    rss_sampler: str = "process",
 ) -> list[dict[str, Any]]:
     """Build one random NF4 + LoRA model and measure each (config, batch) on it, in order."""
     records, emit = _recorder(out)
@@ -250,6 +257,7 @@ def train_worker(
                     steps=steps,
                     device=device,
                     notes=notes,
+                    rss_sampler=rss_sampler,
                 )
             )
         undo()
@@ -360,9 +368,13 @@ def _summary(r: dict[str, Any]) -> str:
     head = f"{_ROW_MARK} {r['model']:>6} {r['config']:<8} bs{r['batch']} seq{r['seq']}"
     if r["status"] != "ok":
         return f"{head}: {r['status']}: {r.get('error')}"
+    spread = (
+        f"step {r['step_s_min']:.3f}/{r['step_s_median']:.3f}/{r['step_s_max']:.3f} s"
+        if "step_s_median" in r
+        else f"tok/s {r['tokens_per_s_min']:.0f}..{r['tokens_per_s_max']:.0f} ({r.get('batching')})"
+    )
     return (
-        f"{head}: {r['tokens_per_s']:.0f} tok/s, step {r['step_s_min']:.3f}/{r['step_s_median']:.3f}/"
-        f"{r['step_s_max']:.3f} s, alloc {r['peak_allocated_gib']} GiB, reserved "
+        f"{head}: {r['tokens_per_s']:.0f} tok/s, {spread}, alloc {r['peak_allocated_gib']} GiB, reserved "
         f"{r['peak_reserved_gib']} GiB, rss {r['host_rss_peak_gib']} GiB, "
         f"loss {r['loss_first']}->{r['loss_last']}"
     )
@@ -388,6 +400,8 @@ def _worker_cmd(args: argparse.Namespace, kind: str, rows_out: Path, **extra: st
         ",".join(map(str, args.batch)),
         "--scratch",
         str(args.scratch),
+        "--rss-sampler",
+        args.rss_sampler,
     ]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", v]
@@ -459,9 +473,9 @@ def _command(argv: list[str]) -> str:
 
 
 def _plan(args: argparse.Namespace) -> list[tuple]:
-    """Group-major order, so that a run cut short by the budget still holds complete comparisons:
-    HF baselines and ours on every model first, then liger, then merge/GGUF, then Unsloth (the slowest
-    to set up: it imports for ~20 s and must save and reload the weights)."""
+    """Group-major order (`_GROUPS`), so that a run cut short by the budget still holds complete comparisons;
+    merge/GGUF exports run just before Unsloth (the slowest to set up: it imports for ~20 s and must save and
+    reload the weights)."""
     plan: list[tuple] = []
     exports = (("prep", args.merge or args.gguf), ("merge", args.merge), ("gguf", args.gguf))
     for group in _GROUPS:
@@ -483,13 +497,21 @@ def _run_training_group(
             for b in args.batch
         ]
         worker: dict[str, Any] = {"cmd": "none", "rc": 0, "ended": "exited", "records": recs, "wall_s": 0.0}
+    elif args.in_process and configs[0] in PRODUCT_CONFIGS:
+        recs, emit = _recorder(None)
+        product_worker(
+            model_key, configs[0], args.batch, args.seq, args.warmup, args.steps, args.device, args.scratch, emit
+        )
+        worker = {"cmd": "in-process", "rc": 0, "ended": "exited", "records": recs, "wall_s": None}
     elif args.in_process and "unsloth" not in configs:
-        recs = train_worker(model_key, configs, args.batch, args.seq, args.warmup, args.steps, args.device)
+        recs = train_worker(
+            model_key, configs, args.batch, args.seq, args.warmup, args.steps, args.device, rss_sampler=args.rss_sampler
+        )
         worker = {"cmd": "in-process", "rc": 0, "ended": "exited", "records": recs, "wall_s": None}
     else:
         tag = f"{model_key}-{'-'.join(configs)}"
         rows_out, log = work / f"{tag}.jsonl", work / f"{tag}.log"
-        kind = "unsloth" if configs == ["unsloth"] else "train"
+        kind = "unsloth" if configs == ["unsloth"] else "product" if configs[0] in PRODUCT_CONFIGS else "train"
         print(f"== {tag}", flush=True)
         worker = _spawn(
             _worker_cmd(args, kind, rows_out, model=model_key, configs=",".join(configs)), rows_out, log, deadline
@@ -543,7 +565,8 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "quant": "nf4 + double quant",
             "autocast": "bf16",
             "optimizer": "AdamW (fused on CUDA)",
-            "tokens_per_s": "batch * seq / median timed step",
+            "tokens_per_s": "batch * seq / median timed step; product rows: real (unpadded) tokens / median step "
+            "of the train report after warm-up",
         },
         "rows": [],
         "ratios": [],
@@ -599,7 +622,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="run the non-Unsloth groups in this process (CPU smoke tests; liger's patches leak)",
     )
-    p.add_argument("--worker", choices=("train", "unsloth", "export"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--rss-sampler",
+        choices=("process", "thread"),
+        default="process",
+        help="host RSS sampling in a child process (default) or an in-process thread (the old way, to compare)",
+    )
+    p.add_argument("--worker", choices=("train", "unsloth", "product", "export"), help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--step", help=argparse.SUPPRESS)
     p.add_argument("--rows-out", help=argparse.SUPPRESS)
@@ -618,7 +647,23 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(args.scratch)
     rows_out = Path(args.rows_out) if args.rows_out else None
     if args.worker == "train":
-        train_worker(args.model, args.configs, args.batch, args.seq, args.warmup, args.steps, args.device, rows_out)
+        train_worker(
+            args.model,
+            args.configs,
+            args.batch,
+            args.seq,
+            args.warmup,
+            args.steps,
+            args.device,
+            rows_out,
+            args.rss_sampler,
+        )
+        return 0
+    if args.worker == "product":
+        _records, emit = _recorder(rows_out)
+        product_worker(
+            args.model, args.configs[0], args.batch, args.seq, args.warmup, args.steps, args.device, scratch, emit
+        )
         return 0
     if args.worker == "unsloth":
         unsloth_worker(args.model, args.batch, args.seq, args.warmup, args.steps, args.device, scratch, rows_out)

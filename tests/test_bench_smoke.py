@@ -144,3 +144,31 @@ def test_export_hooks_time_slimtune_merge_and_gguf(tmp_path: Path) -> None:
     merged = tmp_path / "merged-tiny"
     assert recs[1]["bytes_written"] == sum(p.stat().st_size for p in merged.rglob("*") if p.is_file())
     assert recs[1]["report"]["tensors_merged"] == 2 * 7  # every LoRA target of both layers
+
+
+def test_product_rows_come_from_the_train_report(tmp_path: Path) -> None:
+    # The product config runs slimtune's attach_lora + packed_sft on the toy shape; its speed is the train
+    # report's per-step tokens/s after warm-up, never a number the harness timed itself.
+    rc = runner.main(
+        ["--device", "cpu", "--models", "tiny", "--configs", "product", "--batch", "2", "--seq", "64"]
+        + ["--warmup", "1", "--steps", "2", "--out", str(tmp_path), "--scratch", str(tmp_path), "--in-process"]
+    )
+    assert rc == 0
+    (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert row["status"] == "ok", row
+    assert row["config"] == "product" and row["steps_timed"] == 2 and row["batching"] == "packed"
+    assert 0 < row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
+    assert abs(row["loss_first"] - math.log(MODEL_SHAPES["tiny"].config["vocab_size"])) < 0.5
+    report = json.loads((tmp_path / "product-tiny" / "runs" / "product-tiny-b2" / "train_report.json").read_text())
+    assert [e["step"] for e in report["losses"]] == [1, 2, 3]
+    assert min(e["tokens_per_s"] for e in report["losses"][1:]) == pytest.approx(row["tokens_per_s_min"], abs=0.05)
+
+
+def test_process_rss_sampler_sees_an_allocation_in_this_process() -> None:
+    from benchmarks.common import ProcessRssSampler
+
+    with ProcessRssSampler(interval_s=0.01) as rss:
+        block = bytearray(300 * 1024**2)  # zero-filled pages: resident once touched
+        block[::4096] = b"\x01" * len(block[::4096])
+        del block
+    assert rss.peak_host_rss - rss.start_host_rss > 250 * 1024**2

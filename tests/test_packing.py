@@ -23,6 +23,7 @@ from slimtune.families import FAMILIES as TABLE
 from slimtune.spec import DataSpec
 from slimtune.tiny import DATA_FILE, FAMILIES, build_model, ensure_builtin
 from slimtune.train import ISOLATING_MODEL_TYPES, choose_batching
+from slimtune.train.attention import VARLEN, prefer_varlen, register
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,19 @@ def test_flash_varlen_batch_is_one_flat_row_with_boundaries():
     assert batch["input_ids"].shape == (1, 9)  # no padding at all
     assert batch["cu_seq_lens_q"].tolist() == [0, 4, 7, 9] and batch["max_length_q"] == 4
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]]
+
+
+def test_packed_length_gives_every_batch_one_shape():
+    rows = pack([Example([1] * 3, [1] * 3), Example([2] * 2, [2] * 2), Example([3] * 4, [3] * 4)], 5)
+    batch = RowCollator("packed", pad_token_id=0, packed_length=6)(rows)
+    assert batch["input_ids"].tolist() == [[3, 3, 3, 3, 0, 0], [1, 1, 1, 2, 2, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 1, 0]]
+    assert batch["_slimtune_token_counts"] == (9, 12)
+    flat = RowCollator("packed", pad_token_id=0, flash_varlen=True, packed_length=6)(rows)
+    assert flat["input_ids"].tolist() == [[3, 3, 3, 3, 1, 1, 1, 2, 2, 0, 0, 0]]
+    assert flat["labels"][0, 9:].tolist() == [IGNORE_INDEX] * 3
+    assert flat["cu_seq_lens_q"].tolist() == [0, 4, 7, 9, 12] and flat["max_length_q"] == 4
+    assert flat["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 0, 1, 2]]
 
 
 def test_padded_collator_uses_attention_mask():
@@ -164,3 +178,53 @@ def test_flash_varlen_packed_loss_equals_example_losses(tokenizer, chat_examples
     expected = sum(s for s, _ in alone) / sum(n for _, n in alone)
     # bf16 activations: 1e-2 relative covers their rounding (8 mantissa bits, ~4e-3 per op).
     assert total / count == pytest.approx(expected, rel=1e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("flatten", [True, False], ids=["cu_seq_lens", "position_ids"])
+def test_varlen_attention_packed_loss_equals_example_losses(family, flatten, tokenizer, chat_examples):
+    # Off CUDA the varlen attention runs each example through its own SDPA call: this checks the wiring
+    # (boundaries reaching every layer, the flattened row, the head layout), the kernel itself is the GPU test's.
+    torch.manual_seed(0)
+    model = build_model(family, len(tokenizer), num_hidden_layers=1, attn_implementation="sdpa").float()
+    assert prefer_varlen(model, torch.device("cpu")) is False  # no CUDA: stays on sdpa
+    register()
+    model.set_attn_implementation(VARLEN)
+    assert model.config._attn_implementation == VARLEN
+    batching = choose_batching(model, "packed")
+    assert batching.mode == "packed" and batching.flash_varlen
+    examples = chat_examples[:12]
+    rows = pack(examples, 128)
+    # Fixed-length batches (as on a GPU): the padding is a segment of its own, never a target.
+    batch = RowCollator("packed", tokenizer.pad_token_id, flash_varlen=flatten, packed_length=136)(rows)
+    assert ("cu_seq_lens_q" in batch) is flatten
+    assert batch["input_ids"].numel() == 136 * len(rows)
+    total, count = _loss_sum_and_count(model, batch)
+    model.set_attn_implementation("sdpa")
+    alone = [_loss_sum_and_count(model, RowCollator("padded", 0)(one_per_row([e]))) for e in examples]
+    expected = sum(s for s, _ in alone) / sum(n for _, n in alone)
+    assert count == sum(n for _, n in alone)
+    assert total / count == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.gpu
+def test_torch_varlen_packed_loss_and_grads_match_sdpa(tokenizer, chat_examples):
+    torch.manual_seed(0)
+    model = build_model("llama", len(tokenizer), num_hidden_layers=2, attn_implementation="sdpa")
+    model = model.to("cuda", torch.bfloat16)
+    rows = pack(chat_examples[:12], 128)
+
+    def loss_and_grad(flash_varlen: bool) -> tuple[float, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        batch = RowCollator("packed", tokenizer.pad_token_id, flash_varlen=flash_varlen)(rows)
+        batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items() if not k.startswith("_")}
+        loss = model(**batch).loss
+        loss.backward()
+        return float(loss), model.model.layers[0].self_attn.q_proj.weight.grad.float().clone()
+
+    dense_loss, dense_grad = loss_and_grad(False)  # sdpa with transformers' block mask from position ids
+    assert prefer_varlen(model, torch.device("cuda")) and model.config._attn_implementation == VARLEN
+    varlen_loss, varlen_grad = loss_and_grad(True)
+    # bf16 activations: 1e-2 relative covers their rounding (8 mantissa bits, ~4e-3 per op).
+    assert varlen_loss == pytest.approx(dense_loss, rel=1e-2)
+    assert torch.nn.functional.cosine_similarity(varlen_grad.flatten(), dense_grad.flatten(), dim=0) > 0.99

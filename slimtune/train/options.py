@@ -9,6 +9,7 @@ import torch
 
 from slimtune.data import BatchMode
 from slimtune.families import SUPPORTED_MODEL_TYPES
+from slimtune.train.attention import VARLEN
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +20,8 @@ log = logging.getLogger(__name__)
 ISOLATING_MODEL_TYPES = frozenset(SUPPORTED_MODEL_TYPES)
 # Attention implementations that build the block-diagonal mask from position ids (transformers >= 5).
 _POSITION_MASKED = ("sdpa", "eager", "flex_attention")
+# Attention implementations that take the micro-batch flattened to one row with `cu_seq_lens` boundaries.
+_VARLEN = ("flash_attention_2", VARLEN)
 _SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
 
 
@@ -44,12 +47,12 @@ def choose_batching(model: torch.nn.Module, requested: BatchMode) -> Batching:
             f"model_type {model_type!r} is not verified to isolate packed examples (verified: "
             f"{', '.join(sorted(ISOLATING_MODEL_TYPES))})"
         )
-    elif attn != "flash_attention_2" and attn not in _POSITION_MASKED:
+    elif attn not in _VARLEN and attn not in _POSITION_MASKED:
         reason = f"attention {attn!r} does not build masks from position ids; use sdpa or flash_attention_2"
     if reason:
         log.warning("data.packing %s falls back to padded batches: %s", requested, reason)
         return Batching("padded", False, reason)
-    return Batching(requested, attn == "flash_attention_2")
+    return Batching(requested, attn in _VARLEN)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

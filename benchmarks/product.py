@@ -1,0 +1,172 @@
+"""The product's training path on a benchmark shape: slimtune's `attach_lora` and `packed_sft` task functions.
+
+What runs is what `slimtune run` runs after loading: LoRA attached by `slimtune.tasks.attach_lora` (peft,
+"unsloth" checkpointing, `train.kernels: auto`), then `slimtune.tasks.packed_sft` (transformers' Trainer,
+packing, the collator, the log and progress callbacks, checkpoint bookkeeping, adapter and report written)
+on a chat JSONL written here. Only the loader differs: the random weights are quantized in place, as for
+the other configs, instead of a 16 GB safetensors round trip through `load_4bit`.
+
+The speed is the train report's: each optimizer step is logged (`logging_steps: 1`), each log entry
+carries the tokens/s of its step (real tokens, padding excluded), and the row's figure is the median
+over the steps after `warmup`. Peak allocated covers the whole `packed_sft` call.
+`product_sdpa` is a diagnostic: the same with packed rows left on SDPA with a dense block mask.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    LORA_RANK,
+    MODEL_SHAPES,
+    GpuPeak,
+    ProcessRssSampler,
+    build_random_model,
+    error_text,
+    free_memory,
+    gib,
+    make_row,
+    quantize_nf4_,
+    synchronize,
+)
+
+PRODUCT_CONFIGS = ("product", "product_sdpa")
+
+
+def write_chat_data(path: Path, tokens_needed: int, seed: int = 0) -> Path:
+    """Chat records of skewed lengths (most short, a tail near the row length), enough for the run."""
+    from slimtune.tiny import _corpus
+
+    rng = random.Random(seed)
+    words = " ".join(_corpus()).split()
+    written = 0
+    with path.open("w", encoding="utf-8") as f:
+        while written < tokens_needed:
+            n = int(40 * (1500 / 40) ** rng.random())  # words; log-uniform 40..1500
+            answer = " ".join(rng.choice(words) for _ in range(n))
+            record = {
+                "messages": [{"role": "user", "content": "Write some text."}, {"role": "assistant", "content": answer}]
+            }
+            f.write(json.dumps(record) + "\n")
+            written += n
+    return path
+
+
+def _spec(root: Path, batch: int, seq: int, steps: int, name: str, device: str):
+    from slimtune.spec import parse_spec
+
+    return parse_spec(
+        {
+            "name": name,
+            "output_dir": str(root / "runs"),
+            "model": {"name_or_path": str(root / "model"), "device": device},
+            "lora": {"r": LORA_RANK, "alpha": LORA_RANK, "dropout": 0.0, "gradient_checkpointing": "unsloth"},
+            "data": {
+                "path": str(root / "chat.jsonl"),
+                "format": "messages",
+                "max_seq_length": seq,
+                "eval_fraction": 0.0,
+            },
+            "train": {
+                "micro_batch_size": batch,
+                "gradient_accumulation_steps": 1,
+                "max_steps": steps,
+                "save_steps": 100000,
+                "logging_steps": 1,
+                "kernels": "auto",
+            },
+            "merge": {"enabled": False},
+            "export": {"gguf": []},
+        }
+    )
+
+
+def product_worker(
+    model_key: str, config: str, batches: list[int], seq: int, warmup: int, steps: int, device: str, scratch: Path, emit
+) -> None:
+    """Build the random NF4 model, attach LoRA as the product does, and time `packed_sft` per micro-batch."""
+    from slimtune import registry
+    from slimtune.tasks.attach_lora import attach_lora
+    from slimtune.tasks.packed_sft import packed_sft, prepare_data
+    from slimtune.tiny import build_tokenizer
+
+    if config == "product_sdpa":
+        import slimtune.train.trainer as trainer_module
+
+        trainer_module.prefer_varlen = lambda model, device: False  # this worker process only: the A/B
+    root = Path(scratch) / f"product-{model_key}"
+    (root / "model").mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    shape = MODEL_SHAPES[model_key]
+    model = build_random_model(shape, device)
+    model.config.save_pretrained(root / "model")  # the spec names a model folder: config and tokenizer only
+    build_tokenizer().save_pretrained(root / "model")
+    quantize_nf4_(model)
+    synchronize(device)
+    setup = {"kind": "setup", "model": model_key, "configs": [config], "build_s": round(time.perf_counter() - t0, 2)}
+    total_steps = warmup + steps
+    write_chat_data(root / "chat.jsonl", tokens_needed=int(1.3 * max(batches) * seq * total_steps))
+    handle = registry.put("model", model)
+    del model
+    lora = attach_lora(_spec(root, 1, seq, total_steps, "setup", device), handle)
+    setup.update(kernels=lora.kernels, kernels_skipped=lora.kernels_skipped)
+    emit(setup)
+    examples = prepare_data(_spec(root, 1, seq, total_steps, "data", device), str(root / "model"))
+    for b in batches:
+        spec = _spec(root, b, seq, total_steps, f"{config}-{model_key}-b{b}", device)
+        row = make_row(model_key, config, b, seq, "ok", warmup=warmup, notes={"kernels": lora.kernels})
+        rss, mem = ProcessRssSampler(), GpuPeak(device)
+        try:
+            free_memory(device)
+            with rss, mem:
+                report = packed_sft(
+                    spec,
+                    handle,
+                    lora.checkpointing_handle,
+                    examples,
+                    micro_batch_size=b,
+                    gradient_accumulation_steps=1,
+                    gradient_checkpointing="unsloth",
+                )
+            row.update(_report_stats(report, warmup))
+        except torch.OutOfMemoryError as e:
+            row.update(status="oom", error=error_text(e))
+        except Exception as e:
+            traceback.print_exc()
+            row.update(status="error", error=error_text(e))
+        row.update(
+            peak_allocated_gib=gib(mem.peak_allocated),
+            peak_reserved_gib=gib(mem.peak_reserved),
+            static_allocated_gib=gib(mem.static_allocated),
+            host_rss_start_gib=gib(rss.start_host_rss),
+            host_rss_peak_gib=gib(rss.peak_host_rss),
+        )
+        emit(row)
+
+
+def _report_stats(report, warmup: int) -> dict[str, Any]:
+    """tokens/s of the steps after warm-up, from the train report's per-step log entries."""
+    timed = [e for e in report.losses if e["step"] > warmup and e.get("tokens_per_s")]
+    if not timed:
+        raise RuntimeError(f"the train report has no step after warm-up {warmup}: {report.losses}")
+    speeds = [e["tokens_per_s"] for e in timed]
+    med = statistics.median(speeds)
+    return {
+        "tokens_per_s": round(med, 1),
+        "tokens_per_s_min": round(min(speeds), 1),
+        "tokens_per_s_max": round(max(speeds), 1),
+        "steps_timed": len(timed),
+        "padding_waste": round(report.padding_waste, 4),
+        "batching": report.batching,
+        "loss_first": round(report.losses[0]["loss"], 4),
+        "loss_last": round(report.losses[-1]["loss"], 4),
+        "report_tokens_per_s": round(report.tokens_per_s, 1),  # the whole run, warm-up and setup included
+    }

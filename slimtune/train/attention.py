@@ -1,0 +1,131 @@
+"""Packed rows through PyTorch's variable-length flash attention, with no T x T mask.
+
+With SDPA, transformers keeps packed examples apart by building a dense block-diagonal mask from the
+position ids (B x 1 x T x T, once per forward), and a masked SDPA call leaves the flash backend for the
+memory-efficient one. PyTorch >= 2.9 ships the flash kernel's varlen entry point
+(`torch.nn.attention.varlen.varlen_attn`): the micro-batch is flattened to one row, example boundaries
+go in as `cu_seq_lens` (the collator's `flash_varlen` batches), and each example attends to itself only.
+
+This registers that kernel with transformers' `AttentionInterface` under `VARLEN` (the documented way to
+add an attention function; nothing of transformers is patched). A name transformers has no mask function
+for gets `attention_mask=None` (masking_utils: "custom attention without equivalent mask creation"), so
+the model must only be switched while it trains on packed or padding-free batches: `prefer_varlen`
+does that, and the boundaries come from `cu_seq_lens_q` or, failing that, from restarting position ids.
+Off CUDA (tests) each example goes through its own causal SDPA call: slow, same result.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+VARLEN = "slimtune_varlen"
+
+
+@functools.cache
+def _varlen_kernel():
+    """torch's varlen_attn and its keyword for causal masking, or None where this torch has neither."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    # torch 2.13 takes window_size=(-1, 0) for causal; earlier releases an is_causal flag.
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
+    return varlen_attn, {**causal, **gqa}
+
+
+def _boundaries(kwargs: dict, position_ids: torch.Tensor | None, total: int, device: torch.device):
+    """(cu_seq_lens as int32 on `device`, longest example) of the flattened tokens."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        return cu.to(device=device, dtype=torch.int32), int(kwargs["max_length_q"])
+    if position_ids is None:
+        raise ValueError(
+            f"attention {VARLEN!r} needs example boundaries: pass cu_seq_lens_q/max_length_q (RowCollator with "
+            "flash_varlen=True) or restarting position_ids"
+        )
+    starts = torch.nonzero(position_ids.reshape(-1) == 0).flatten()
+    cu = torch.cat([starts, starts.new_tensor([total])]).to(device=device, dtype=torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: (B, H, T, D) in, (B, T, H, D) out, causal within each example."""
+    batch, heads, length, dim = query.shape
+    total = batch * length
+    cu, longest = _boundaries(kwargs, kwargs.get("position_ids"), total, query.device)
+    # (B, H, T, D) -> (B*T, H, D): a transpose view; the kernel takes any strides but the last.
+    q, k, v = (t.transpose(1, 2).reshape(total, t.shape[1], dim) for t in (query, key, value))
+    kernel = _varlen_kernel() if query.is_cuda and dropout == 0.0 else None
+    if kernel is not None and query.dtype in (torch.float16, torch.bfloat16):
+        varlen_attn, flags = kernel
+        if "enable_gqa" not in flags and k.shape[1] != heads:
+            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **flags)
+    else:
+        out = torch.empty_like(q)
+        bounds = cu.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            seg = [t[start:end].transpose(0, 1) for t in (q, k, v)]
+            out[start:end] = F.scaled_dot_product_attention(
+                *seg, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != heads
+            ).transpose(0, 1)
+    return out.reshape(batch, length, heads, dim), None
+
+
+def register() -> None:
+    """Make `VARLEN` a valid `attn_implementation` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+
+
+def varlen_supported(model: torch.nn.Module, device: torch.device) -> str | None:
+    """None when `model` can train packed rows through `VARLEN` on `device`; else the reason it cannot."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return f"attention is {getattr(config, '_attn_implementation', None)!r}, not sdpa"
+    if device.type != "cuda" or _varlen_kernel() is None:
+        return "needs CUDA and torch.nn.attention.varlen (torch >= 2.9)"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "flash attention needs compute capability 8.0 or newer"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "sliding-window layers"
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "head_dim", 0) > 256:
+        return "logit soft-capping or head_dim over 256"
+    return None
+
+
+def prefer_varlen(model: torch.nn.Module, device: torch.device) -> bool:
+    """Switch a model that trains packed rows from SDPA to `VARLEN` where it can; True when it uses `VARLEN`.
+
+    Called only for packed / padding-free batching: the switch drops transformers' mask building, which
+    padded batches need.
+    """
+    if getattr(model.config, "_attn_implementation", None) == VARLEN:
+        return True
+    reason = varlen_supported(model, device)
+    if reason is not None:
+        log.info("packed rows stay on sdpa with a block mask: %s", reason)
+        return False
+    register()
+    model.set_attn_implementation(VARLEN)
+    log.info("packed rows go through torch varlen flash attention (%s)", VARLEN)
+    return True
