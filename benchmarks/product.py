@@ -94,6 +94,8 @@ def product_worker(
 ) -> None:
     """Build the random NF4 model, attach LoRA as the product does, and time `packed_sft` per micro-batch."""
     from slimtune import registry
+    from slimtune.device import resolve_compute_dtype
+    from slimtune.run_plan import RunPlan
     from slimtune.tasks.attach_lora import attach_lora
     from slimtune.tasks.packed_sft import packed_sft, prepare_data
     from slimtune.tiny import build_tokenizer
@@ -114,6 +116,14 @@ def product_worker(
     setup = {"kind": "setup", "model": model_key, "configs": [config], "build_s": round(time.perf_counter() - t0, 2)}
     total_steps = warmup + steps
     write_chat_data(root / "chat.jsonl", tokens_needed=int(1.3 * max(batches) * seq * total_steps))
+    # The plan the flow would resolve; built here because the folder holds no weights (the model is in memory).
+    plan = RunPlan(
+        model_dir=str(root / "model"),
+        config=model.config.to_dict(),
+        family=model.config.model_type,
+        device=str(device),
+        compute_dtype=str(resolve_compute_dtype("auto", torch.device(device))).removeprefix("torch."),
+    )
     handle = registry.put("model", model)
     del model
     lora = attach_lora(_spec(root, 1, seq, total_steps, "setup", device), handle)
@@ -135,6 +145,7 @@ def product_worker(
                     micro_batch_size=b,
                     gradient_accumulation_steps=1,
                     gradient_checkpointing="unsloth",
+                    plan=plan,
                 )
             row.update(_report_stats(report, warmup))
         except torch.OutOfMemoryError as e:

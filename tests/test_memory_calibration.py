@@ -168,3 +168,22 @@ def test_the_input_table_stays_in_host_memory_through_training():
     applied = [r for r in _measured("packed_sft") if "host_embedding" in r["applied_kernels"]]
     assert {r["model"] for r in applied} == {"8b", "qwen7b"}
     assert all(r["input_embeddings_device"] == "cpu" for r in applied)
+
+
+def test_auto_at_6_gib_chose_the_largest_micro_batch_that_fits_and_did_not_run_out():
+    from slimtune.plan import auto_micro_batch
+    from slimtune.spec import TrainSpec
+
+    run = {e["run"]: e for e in _e2e_runs()}["e2e-8b-6gib-mbauto"]
+    budget = run["fraction"] * _total_8b()
+    kernels = expected_kernels("auto", "cuda", "llama")
+
+    def fits(mb: int) -> bool:
+        est = _train(_config_8b(), mb, 2048, "unsloth", kernels)
+        return est.gpu_bytes - est.context_gpu_bytes <= budget
+
+    mb, accum, _ = auto_micro_batch(TrainSpec(micro_batch_size="auto", effective_batch_size=16), fits)
+    assert (mb, accum) == (1, 16) and not fits(2)
+    assert run["rc"] == 0 and (run["train"]["micro_batch_size"], run["train"]["gradient_accumulation_steps"]) == (1, 16)
+    sft = run["stages"]["packed_sft"]
+    assert sft["outcome"] == "completed" and sft["attempts"] == 1 and sft["peak_gpu_reserved"] <= budget
