@@ -192,6 +192,7 @@ def _rank_env() -> tuple[int, int, int]:
 
 def _train_rank(job: dict, local_rank: int) -> dict:
     """Load, attach and train on this rank's device; returns this rank's TrainReport as a dict."""
+    from slimtune.run_plan import resolve_plan
     from slimtune.tasks.attach_lora import attach_lora
     from slimtune.tasks.load_4bit import load_4bit
     from slimtune.tasks.packed_sft import packed_sft, prepare_data
@@ -200,7 +201,8 @@ def _train_rank(job: dict, local_rank: int) -> dict:
     if job["backend"] == "nccl":
         torch.cuda.set_device(local_rank)
         spec.model.device = f"cuda:{local_rank}"
-    loaded = load_4bit(spec)
+    plan = resolve_plan(spec)  # once per rank: its own device, the flow's model folder (already resolved there)
+    loaded = load_4bit(spec, plan)
     lora = attach_lora(spec, loaded.handle)
     examples = prepare_data(spec, loaded.model_dir)
     report = packed_sft(
@@ -211,6 +213,7 @@ def _train_rank(job: dict, local_rank: int) -> dict:
         micro_batch_size=job["micro_batch_size"],
         gradient_accumulation_steps=job["gradient_accumulation_steps"],
         gradient_checkpointing=job["gradient_checkpointing"],
+        plan=plan,
     )
     return asdict(report)
 
