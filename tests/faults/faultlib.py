@@ -185,17 +185,17 @@ def stub_model_stages(mp, spans: list[tuple[str, str, float, float]] | None = No
             spans.append((spec.name, stage, start, time.monotonic()))
 
     @task(name="load_4bit", cache_policy=NO_CACHE)
-    def load(spec):
+    def load(spec, plan):
         _span(spec, "load_4bit")
         return {"handle": registry.put("model", object())}
 
     @task(name="attach_lora", cache_policy=NO_CACHE)
-    def attach(spec, handle):
+    def attach(spec, plan, handle):
         _span(spec, "attach_lora")
         return {"handle": handle, "checkpointing_handle": registry.put("checkpointing", object())}
 
     @task(name="packed_sft", cache_policy=NO_CACHE)
-    def train(spec, handle, checkpointing_handle, examples_handle):
+    def train(spec, plan, handle, checkpointing_handle, examples_handle):
         _span(spec, "packed_sft")
         return {"adapter_dir": str(spec.run_dir() / "adapter"), "steps": 0}
 
