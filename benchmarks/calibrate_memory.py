@@ -144,7 +144,13 @@ def worker(key: str, kernels: str, cells: list[dict], root: Path, results: Path,
         mb, seq, ckpt = cell["micro_batch"], cell["seq_len"], cell["checkpointing"]
         row = {**common, "stage": "packed_sft", **cell, "applied_kernels": sorted(lora.kernels)}
         est = estimate_train(
-            _config(key), micro_batch=mb, seq_len=seq, lora_r=16, target_modules="all-linear", checkpointing=ckpt
+            _config(key),
+            micro_batch=mb,
+            seq_len=seq,
+            lora_r=16,
+            target_modules="all-linear",
+            checkpointing=ckpt,
+            kernels=sorted(lora.kernels),  # without them full logits are counted: 1B at 4 x 8192 was skipped
         )
         if est.gpu_bytes > 1.3 * total:  # certain to run out of a whole H100: not worth the minute
             _append(results, {**row, "outcome": "skipped (estimate over 1.3 x device)"})
