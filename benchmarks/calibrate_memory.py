@@ -255,6 +255,12 @@ def _device_used() -> int | None:
     return int(out.stdout.split()[0]) * 1024**2 if out.returncode == 0 else None
 
 
+def _worker_cmd(kind: str, key: str, root: Path, out: Path, device: str, *extra: str) -> list[str]:
+    """This script as a worker process (a fresh process per model: it starts with an empty GPU)."""
+    return [sys.executable, __file__, "--worker", kind, "--models", key, "--root", str(root), "--out", str(out),
+            "--device", device, *extra]  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="8b")
@@ -283,20 +289,7 @@ def main() -> int:
     for key in args.models.split(","):
         t0 = time.time()
         subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--worker",
-                "build",
-                "--models",
-                key,
-                "--root",
-                str(root),
-                "--out",
-                str(out),
-                "--device",
-                args.device,
-            ],
+            _worker_cmd("build", key, root, out, args.device),
             check=True,
             timeout=max(deadline - time.time(), 1),
         )
@@ -309,25 +302,8 @@ def main() -> int:
                 _append(results, {"model": key, "kernels": kernels, "outcome": "not run (time budget)"})
                 continue
             try:
-                subprocess.run(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--worker",
-                        "grid",
-                        "--models",
-                        key,
-                        "--kernels",
-                        kernels,
-                        "--root",
-                        str(root),
-                        "--out",
-                        str(out),
-                        "--device",
-                        args.device,
-                    ],
-                    timeout=left - 20,
-                )
+                cmd = _worker_cmd("grid", key, root, out, args.device, "--kernels", kernels)
+                subprocess.run(cmd, timeout=left - 20)
             except subprocess.TimeoutExpired:
                 _append(results, {"model": key, "kernels": kernels, "outcome": "worker stopped at the time budget"})
     e2e = []

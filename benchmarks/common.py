@@ -549,11 +549,16 @@ def measure_training(
         opt.zero_grad(set_to_none=True)
         opt.state.clear()  # AdamW's two moments per LoRA weight; the next row allocates its own
         free_memory(device)
-    row.update(
-        peak_allocated_gib=gib(mem.peak_allocated),
-        peak_reserved_gib=gib(mem.peak_reserved),
-        static_allocated_gib=gib(mem.static_allocated),
-        host_rss_start_gib=gib(rss.start_host_rss),
-        host_rss_peak_gib=gib(rss.peak_host_rss),
-    )
+    row.update(memory_fields(mem, rss))
     return row
+
+
+def memory_fields(mem, rss) -> dict:
+    """A row's memory columns from its GPU peak tracker and host RSS sampler."""
+    return {
+        "peak_allocated_gib": gib(mem.peak_allocated),
+        "peak_reserved_gib": gib(mem.peak_reserved),
+        "static_allocated_gib": gib(mem.static_allocated),
+        "host_rss_start_gib": gib(rss.start_host_rss),
+        "host_rss_peak_gib": gib(rss.peak_host_rss),
+    }

@@ -32,8 +32,8 @@ from benchmarks.common import (
     build_random_model,
     error_text,
     free_memory,
-    gib,
     make_row,
+    memory_fields,
     quantize_nf4_,
     synchronize,
 )
@@ -153,13 +153,7 @@ def product_worker(
         except Exception as e:
             traceback.print_exc()
             row.update(status="error", error=error_text(e))
-        row.update(
-            peak_allocated_gib=gib(mem.peak_allocated),
-            peak_reserved_gib=gib(mem.peak_reserved),
-            static_allocated_gib=gib(mem.static_allocated),
-            host_rss_start_gib=gib(rss.start_host_rss),
-            host_rss_peak_gib=gib(rss.peak_host_rss),
-        )
+        row.update(memory_fields(mem, rss))
         emit(row)
 
 
