@@ -119,6 +119,60 @@ MODEL_SHAPES: dict[str, ModelShape] = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
     ),
+    # google/gemma-3-1b-it's config.json (999,885,952 parameters): 5 sliding-window layers of 512 with a
+    # local rope base of 10k, then one global layer with 1M; one KV head of 256; tied 262k-row embedding.
+    "gemma3_1b": ModelShape(
+        "gemma3_1b",
+        "Gemma-3-1B",
+        "gemma3_text",
+        dict(
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            vocab_size=262144,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=256,
+            sliding_window=512,
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
+            rope_parameters={
+                "full_attention": dict(rope_type="default", rope_theta=1000000.0),
+                "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+            },
+            bos_token_id=2,
+            eos_token_id=1,
+            pad_token_id=0,
+        ),
+    ),
+    # microsoft/Phi-3-mini-4k-instruct's config.json (3,821,079,552 parameters): fused qkv_proj and
+    # gate_up_proj, 32 full heads (no GQA), a 2047-token sliding window, untied head.
+    "phi3_mini": ModelShape(
+        "phi3_mini",
+        "Phi-3-mini-4k",
+        "phi3",
+        dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=32064,
+            max_position_embeddings=4096,
+            original_max_position_embeddings=4096,
+            sliding_window=2047,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            bos_token_id=1,
+            eos_token_id=32000,
+            pad_token_id=32000,
+        ),
+    ),
     # CPU smoke tests only: every code path of the real shapes (GQA, untied head) at toy size.
     "tiny": ModelShape(
         "tiny",
@@ -138,6 +192,53 @@ MODEL_SHAPES: dict[str, ModelShape] = {
             bos_token_id=1,
             eos_token_id=2,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+    # CPU checks of benchmarks/families_bench.py: the two shapes above at toy size (their quirks kept).
+    "tiny_gemma3": ModelShape(
+        "tiny_gemma3",
+        "tiny-gemma3",
+        "gemma3_text",
+        dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=64,
+            vocab_size=1024,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=64,
+            sliding_window=16,
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6)],
+            rope_parameters={
+                "full_attention": dict(rope_type="default", rope_theta=1000000.0),
+                "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+            },
+        ),
+    ),
+    "tiny_phi3": ModelShape(
+        "tiny_phi3",
+        "tiny-phi3",
+        "phi3",
+        dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=1056,
+            max_position_embeddings=2048,
+            sliding_window=2047,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,  # Phi3Config's default 32000 is past this vocabulary
         ),
     ),
 }
@@ -213,11 +314,15 @@ def quantize_nf4_(model: torch.nn.Module) -> int:
 
 
 def attach_lora(model: torch.nn.Module, rank: int = LORA_RANK):
-    """peft LoRA of rank `rank` (alpha = rank, no dropout) on the seven projections, as in the reference."""
+    """peft LoRA of rank `rank` (alpha = rank, no dropout) on the seven projections, as in the reference
+    (where the family fuses them, Phi-3's qkv_proj and gate_up_proj, on the fused ones, as slimtune does)."""
     from peft import LoraConfig, get_peft_model
 
+    from slimtune.families import lora_target_modules
+
+    targets = lora_target_modules(model.config.model_type, list(LORA_TARGETS))
     cfg = LoraConfig(
-        r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", target_modules=list(LORA_TARGETS)
+        r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", target_modules=targets
     )
     return get_peft_model(model, cfg)
 

@@ -74,6 +74,7 @@ from benchmarks.common import (
 )
 from benchmarks.product import PRODUCT_CONFIGS, product_worker
 from benchmarks.report import compute_ratios, render_markdown
+from slimtune.families import lora_target_modules
 
 # Headline comparison first (baseline, product, hand loop, Unsloth), diagnostics last, so a run cut short by the
 # budget still holds it.
@@ -275,8 +276,13 @@ def unsloth_worker(
     device: str,
     scratch: Path,
     out: Path | None = None,
+    model_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """Unsloth on the same random weights: it loads from a directory, so save them there first."""
+    """Unsloth on the same random weights: it loads from a directory, so save them there first.
+
+    `model_dir`: a saved model to load instead (benchmarks/families_bench.py passes the folder its
+    `slimtune run` trained on, so both train the same weights); it is left in place.
+    """
     records, emit = _recorder(out)
 
     for var, value in (
@@ -301,15 +307,17 @@ def unsloth_worker(
         "import_s": round(time.perf_counter() - t0, 2),
     }
 
-    model_dir = scratch / f"unsloth-{model_key}"
-    t0 = time.perf_counter()
-    model = build_random_model(MODEL_SHAPES[model_key], device)
-    model.save_pretrained(str(model_dir), max_shard_size="2GB")
-    save_word_tokenizer(model_dir)
-    del model
-    free_memory(device)
-    trim_host_heap()  # the save's host copies should not count in the training rows' RSS
-    setup["save_s"] = round(time.perf_counter() - t0, 2)
+    owned = model_dir is None
+    if owned:
+        model_dir = scratch / f"unsloth-{model_key}"
+        t0 = time.perf_counter()
+        model = build_random_model(MODEL_SHAPES[model_key], device)
+        model.save_pretrained(str(model_dir), max_shard_size="2GB")
+        save_word_tokenizer(model_dir)
+        del model
+        free_memory(device)
+        trim_host_heap()  # the save's host copies should not count in the training rows' RSS
+        setup["save_s"] = round(time.perf_counter() - t0, 2)
 
     t0 = time.perf_counter()
     try:
@@ -331,7 +339,7 @@ def unsloth_worker(
             bias="none",
             random_state=0,
             max_seq_length=seq,
-            target_modules=list(LORA_TARGETS),
+            target_modules=lora_target_modules(MODEL_SHAPES[model_key].family, list(LORA_TARGETS)),
             use_gradient_checkpointing="unsloth",
         )
         FastLanguageModel.for_training(model)
@@ -339,11 +347,13 @@ def unsloth_worker(
         traceback.print_exc()
         for b in batches:
             emit(make_row(model_key, "unsloth", b, seq, "error", error=f"load: {error_text(e)}"))
-        shutil.rmtree(model_dir, ignore_errors=True)
+        if owned:
+            shutil.rmtree(model_dir, ignore_errors=True)
         return records
     setup["load_s"] = round(time.perf_counter() - t0, 2)
     emit(setup)
-    shutil.rmtree(model_dir, ignore_errors=True)
+    if owned:
+        shutil.rmtree(model_dir, ignore_errors=True)
     notes = {"unsloth": package_version("unsloth"), "unsloth_zoo": package_version("unsloth_zoo")}
     for b in batches:
         emit(
@@ -403,6 +413,8 @@ def _worker_cmd(args: argparse.Namespace, kind: str, rows_out: Path, **extra: st
         "--rss-sampler",
         args.rss_sampler,
     ]
+    if args.model_root:
+        cmd += ["--model-root", str(args.model_root)]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", v]
     return cmd
@@ -628,6 +640,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="process",
         help="host RSS sampling in a child process (default) or an in-process thread (the old way, to compare)",
     )
+    p.add_argument(
+        "--model-root",
+        help="Unsloth loads ROOT/model-<key> (saved by calibrate_memory.py's build) instead of building its own",
+    )
     p.add_argument("--worker", choices=("train", "unsloth", "product", "export"), help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--step", help=argparse.SUPPRESS)
@@ -666,7 +682,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.worker == "unsloth":
-        unsloth_worker(args.model, args.batch, args.seq, args.warmup, args.steps, args.device, scratch, rows_out)
+        model_dir = Path(args.model_root) / f"model-{args.model}" if args.model_root else None
+        unsloth_worker(
+            args.model, args.batch, args.seq, args.warmup, args.steps, args.device, scratch, rows_out, model_dir
+        )
         return 0
     if args.worker == "export":
         from benchmarks.export_steps import export_step

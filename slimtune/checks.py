@@ -140,6 +140,15 @@ def _target_problems(spec: PipelineSpec) -> list[str]:
     model_dir = _local_model_dir(spec)
     if targets == "all-linear" or model_dir is None:
         return []
+    import json
+
+    from slimtune.families import lora_target_modules
+
+    model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("model_type", "")
+    try:  # what attach_lora asks peft for: q/k/v become qkv_proj where the family fuses them (Phi-3)
+        targets = lora_target_modules(model_type, targets)
+    except ValueError as e:
+        return [str(e)]
     names, linear = model_modules(model_dir)
     # peft matches a target against a module name exactly or as its dotted suffix
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]

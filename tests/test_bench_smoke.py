@@ -172,3 +172,20 @@ def test_process_rss_sampler_sees_an_allocation_in_this_process() -> None:
         block[::4096] = b"\x01" * len(block[::4096])
         del block
     assert rss.peak_host_rss - rss.start_host_rss > 250 * 1024**2
+
+
+@pytest.mark.parametrize("key,params", [("gemma3_1b", 999_885_952), ("phi3_mini", 3_821_079_552)])
+def test_family_shapes_are_the_released_models(key: str, params: int) -> None:
+    """The real-size shapes of benchmarks/families_bench.py: the released parameter counts (built on the meta
+    device), and configs slimtune accepts and can export."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.common import build_config
+    from slimtune.families import check_architecture
+
+    config = build_config(MODEL_SHAPES[key])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert check_architecture(config.to_dict()) is None

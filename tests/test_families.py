@@ -143,3 +143,28 @@ def test_estimates_count_fused_targets_as_their_parts():
     args = dict(micro_batch=1, seq_len=128, lora_r=8, checkpointing="unsloth")
     ours = estimate_train(config, target_modules=fused, **args)
     assert ours == estimate_train(config, target_modules=default, **args)
+
+
+@pytest.mark.parametrize(
+    "targets,problem",
+    [
+        (None, None),  # the spec's default seven projections: q/k/v and gate/up are fused in Phi-3
+        (["qkv_proj", "down_proj"], None),
+        (["q_proj", "v_proj"], "phi3 fuses q_proj, k_proj, v_proj into qkv_proj; list all of them (missing k_proj)"),
+        (["q_proj", "k_proj", "v_proj", "w9"], "lora.target_modules: ['w9'] not in this model"),
+    ],
+)
+def test_validate_maps_lora_targets_to_fused_projections(tmp_path, targets, problem):
+    from slimtune.checks import spec_problems
+    from slimtune.spec import parse_spec
+
+    model_dir = save_tiny(tmp_path / "phi3", "phi3")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    raw = {"name": "p", "output_dir": str(tmp_path / "runs"), "model": {"name_or_path": str(model_dir)}}
+    raw |= {"data": {"path": str(data)}, "lora": {} if targets is None else {"target_modules": targets}}
+    problems = spec_problems(parse_spec(raw))
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problem in problems[0], problems
