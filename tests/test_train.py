@@ -392,3 +392,29 @@ def test_training_never_moves_the_model(base_dir, tokenizer, examples, data, tmp
     report = _train(base_dir, tokenizer, examples, data, tmp_path / "run", model=model, max_steps=2)
     assert report.steps == 2
     assert probe.moves == 0
+
+
+def test_adapter_carries_the_base_tokenizer_byte_for_byte(tmp_path):
+    """transformers 5.23's save_pretrained drops `legacy: true` from a Llama-2-style tokenizer_config.json; the
+    adapter's tokenizer must still tokenize as the base's (text right after a special token differed)."""
+    from slimtune.tiny import build_model, build_spm_tokenizer
+    from slimtune.train.trainer import _save_adapter
+
+    base_dir = tmp_path / "base"
+    build_spm_tokenizer("llama2").save_pretrained(base_dir)
+    base = AutoTokenizer.from_pretrained(base_dir)
+    lora = LoraConfig(r=2, target_modules=["q_proj"])
+    model = get_peft_model(build_model("llama", len(base), num_hidden_layers=1), lora)
+    adapter = _save_adapter(model, base, tmp_path / "adapter")
+    for p in base_dir.iterdir():
+        assert (adapter / p.name).read_bytes() == p.read_bytes(), p.name
+    assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "adapter_config.json").is_file()
+    reloaded = AutoTokenizer.from_pretrained(adapter)
+    texts = [
+        "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|>",
+        "a<|im_end|>b <|im_start|> c",
+        "  two leading spaces\n\n\ttab",
+        "café naïve 日本語 🙂",
+    ]
+    for text in texts:
+        assert reloaded(text)["input_ids"] == base(text)["input_ids"], text
