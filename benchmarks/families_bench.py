@@ -18,7 +18,7 @@ Unsloth's steps; the whole flow's peak over all stages is recorded as well.
 Usage (device): python3 benchmarks/families_bench.py --out "$OUT"
 CPU check of the harness: python3 benchmarks/families_bench.py --device cpu --models tiny_gemma3,tiny_phi3 \
     --batch 1 --seq 256 --out /tmp/fam-out
-Writes OUT/families.json (rows, environment, logs' tails) and OUT/families.md (the table).
+Writes OUT/families.json (rows, environment), OUT/families.md (the table) and OUT/logs/ (each step's output).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def run_row(key: str, root: Path, args: argparse.Namespace, verify: bool, timeout: float) -> dict[str, Any]:
+def run_row(key: str, root: Path, logs: Path, args: argparse.Namespace, verify: bool, timeout: float) -> dict[str, Any]:
     """`slimtune run` on the saved model; the row's figures from the run directory's own files."""
     spec = _spec(key, root, args, verify)
     spec_path = root / f"{spec['name']}.json"
@@ -93,7 +93,7 @@ def run_row(key: str, root: Path, args: argparse.Namespace, verify: bool, timeou
     run_dir = root / "runs" / spec["name"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a re-run must not resume the previous one's checkpoint
     t0 = time.monotonic()
-    rc, tail = _run([sys.executable, "-m", "slimtune.cli", "run", str(spec_path)], timeout, root / f"{key}-run.log")
+    rc, tail = _run([sys.executable, "-m", "slimtune.cli", "run", str(spec_path)], timeout, logs / f"{key}-run.log")
     seconds = round(time.monotonic() - t0, 1)
     status = "ok" if rc == 0 else "timeout" if rc is None else "error"
     row = make_row(key, "slimtune_run", args.batch, args.seq, status, warmup=args.warmup, wall_s=seconds)
@@ -135,7 +135,7 @@ def unsloth_rows(keys: list[str], root: Path, out: Path, args: argparse.Namespac
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps"]
     cmd += [str(args.steps), "--device", args.device, "--out", str(sub), "--budget-s", str(int(budget))]
     cmd += ["--scratch", str(root), "--model-root", str(root)]
-    _rc, tail = _run(cmd, budget + 30, root / "unsloth.log")
+    _rc, tail = _run(cmd, budget + 30, out / "logs" / "unsloth.log")
     bench = _read_json(sub / "bench.json")
     if bench is None:
         return [
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget_s
     root, out = Path(args.root), Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)  # every step's output, for when a row says error
     verify = importlib.util.find_spec("llama_cpp") is not None
     tokens = int(1.5 * args.batch * args.seq * (args.warmup + args.steps))
     write_chat_data(root / "chat.jsonl", tokens_needed=tokens)
@@ -231,13 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         cmd = [sys.executable, str(ROOT / "benchmarks" / "calibrate_memory.py"), "--worker", "build", "--models", key]
         cmd += ["--root", str(root), "--out", str(out), "--device", args.device]
-        rc, tail = _run(cmd, max(left, 1), root / f"{key}-build.log")
+        rc, tail = _run(cmd, max(left, 1), out / "logs" / f"{key}-build.log")
         result["build"][key] = {"rc": rc, "seconds": round(time.monotonic() - t0, 1)}
         print(f"built {key}: rc {rc} in {result['build'][key]['seconds']} s", flush=True)
         if rc != 0:
             result["rows"].append(make_row(key, "slimtune_run", args.batch, args.seq, "error", error=tail[-400:]))
             continue
-        row = run_row(key, root, args, verify, max(deadline - time.monotonic() - reserve, 1))
+        row = run_row(key, root, out / "logs", args, verify, max(deadline - time.monotonic() - reserve, 1))
         print(json.dumps({k: row.get(k) for k in ("model", "status", "tokens_per_s", "peak_allocated_gib")}))
         result["rows"].append(row)
         write_json_atomic(out / "families.json", result)
