@@ -102,7 +102,10 @@ def run_row(key: str, root: Path, logs: Path, args: argparse.Namespace, verify: 
         row["log_tail"] = tail
     train = _read_json(run_dir / "train_report.json")
     if train:
-        row.update(_report_stats(SimpleNamespace(**train), args.warmup))
+        try:
+            row.update(_report_stats(SimpleNamespace(**train), args.warmup))
+        except RuntimeError as e:  # no step after warm-up: the row says so, the other model still runs
+            row.update(status="error", error=str(e)[:400])
     stages = {}
     for f in sorted((run_dir / "memory").glob("*.json")):
         rec = json.loads(f.read_text())
