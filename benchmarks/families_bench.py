@@ -43,6 +43,7 @@ from benchmarks.product import _report_stats, write_chat_data
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1024**3
 _LOG_TAIL = 3000
+UNSLOTH_S = 110.0  # runner.py's Unsloth worker on an H100: 112-115 s for the 1B and 8B shapes at batch 1 and 4
 
 
 def _spec(key: str, root: Path, args: argparse.Namespace, verify: bool) -> dict[str, Any]:
@@ -131,14 +132,16 @@ def run_row(key: str, root: Path, logs: Path, args: argparse.Namespace, verify: 
     return row
 
 
-def unsloth_rows(keys: list[str], root: Path, out: Path, args: argparse.Namespace, budget: float) -> list[dict]:
-    """runner.py's Unsloth worker on each saved model (runner.py as a user runs it, its own budget)."""
-    sub = out / "unsloth"
+def unsloth_rows(keys: list[str], root: Path, sub: Path, args: argparse.Namespace, budget: float) -> list[dict]:
+    """runner.py's Unsloth worker on each saved model (runner.py as a user runs it, within `budget` s; its
+    bench.json and bench.md go to `sub`)."""
+    if budget < 30:
+        return [make_row(k, "unsloth", args.batch, args.seq, "timeout", error="time budget spent") for k in keys]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "runner.py"), "--models", ",".join(keys), "--configs", "unsloth"]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps"]
-    cmd += [str(args.steps), "--device", args.device, "--out", str(sub), "--budget-s", str(int(budget))]
+    cmd += [str(args.steps), "--device", args.device, "--out", str(sub), "--budget-s", str(int(budget - 10))]
     cmd += ["--scratch", str(root), "--model-root", str(root)]
-    _rc, tail = _run(cmd, budget + 30, out / "logs" / "unsloth.log")
+    _rc, tail = _run(cmd, budget, sub.parent / "logs" / f"{sub.name}.log")
     bench = _read_json(sub / "bench.json")
     if bench is None:
         return [
@@ -227,14 +230,14 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
         "build": {},
     }
-    # Unsloth's share of the budget is held back so that both slimtune runs cannot starve it.
-    reserve = 0.0 if args.no_unsloth else 60.0 + 70.0 * len(keys)
+    # Model by model (slimtune, then Unsloth), so that a run cut short by the budget still holds whole pairs;
+    # each slimtune run leaves Unsloth the seconds its worker took on the 1B/8B shapes (import, load, steps).
+    reserve = 0.0 if args.no_unsloth else UNSLOTH_S
     for key in keys:
-        left = deadline - time.monotonic() - reserve
         t0 = time.monotonic()
         cmd = [sys.executable, str(ROOT / "benchmarks" / "calibrate_memory.py"), "--worker", "build", "--models", key]
         cmd += ["--root", str(root), "--out", str(out), "--device", args.device]
-        rc, tail = _run(cmd, max(left, 1), out / "logs" / f"{key}-build.log")
+        rc, tail = _run(cmd, max(deadline - time.monotonic() - reserve, 1), out / "logs" / f"{key}-build.log")
         result["build"][key] = {"rc": rc, "seconds": round(time.monotonic() - t0, 1)}
         print(f"built {key}: rc {rc} in {result['build'][key]['seconds']} s", flush=True)
         if rc != 0:
@@ -243,12 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         row = run_row(key, root, out / "logs", args, verify, max(deadline - time.monotonic() - reserve, 1))
         print(json.dumps({k: row.get(k) for k in ("model", "status", "tokens_per_s", "peak_allocated_gib")}))
         result["rows"].append(row)
-        write_json_atomic(out / "families.json", result)
         shutil.rmtree(root / "runs" / f"families-{key}", ignore_errors=True)  # merged weights + GGUF: disk
-    built = [k for k in keys if result["build"].get(k, {}).get("rc") == 0]
-    if not args.no_unsloth and built:
-        left = deadline - time.monotonic()
-        result["rows"] += unsloth_rows(built, root, out, args, max(left - 30, 20))
+        if not args.no_unsloth:
+            result["rows"] += unsloth_rows([key], root, out / f"unsloth-{key}", args, deadline - time.monotonic())
+        write_json_atomic(out / "families.json", result)
+        write_text_atomic(out / "families.md", render(result))
     write_json_atomic(out / "families.json", result)
     write_text_atomic(out / "families.md", render(result))
     print(render(result))
