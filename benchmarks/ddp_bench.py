@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import sys
@@ -266,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="an existing model folder instead of a built shape (e.g. the tiny one on CPU)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args(argv)
+    # the ranks' output (and a failing rank's traceback) reaches stdout through slimtune.flows.ranks' log
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     out = Path(args.out)

@@ -170,3 +170,24 @@ def test_fsdp_load_keeps_each_quant_state_on_its_module(tmp_path):
         assert all(m.quant_state is m.weight.quant_state for m in linears)
     finally:
         registry.release_all()
+
+
+def test_ddp_bench_fsdp_mode_on_the_cpu_checks_the_estimates_and_runs_the_single_reference(tmp_path, monkeypatch):
+    """The GPU command's plumbing: plan verdicts for one GPU and one rank under the budget, then the single run."""
+    import json
+
+    from benchmarks import ddp_bench
+    from slimtune.tiny import ensure_builtin
+
+    monkeypatch.setenv("DDP_BENCH_WORK", str(tmp_path / "work"))
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--parallelism", "fsdp", "--budget-gib", "12", "--micro", "1", "--seq", "64"]
+    model = str(ensure_builtin("builtin:tiny-qwen2"))
+    assert ddp_bench.main([*argv, "--steps", "2", "--model", model, "--out", str(out)]) == 0
+    fit = json.loads((out / "ddp_bench-fsdp.fit.json").read_text())
+    assert fit["budget_gib"] == 12 and fit["single"]["fits"] and fit["per_rank"]["fits"]  # a tiny model fits
+    assert fit["per_rank"]["breakdown_gib"]["gpu: gathered root unit (FSDP: embeddings and lm_head)"] > 0
+    assert "allocator capped at" in fit["single"]["plan"]
+    single = json.loads((out / "ddp_bench-fsdp.single.json").read_text())
+    assert [e["step"] for e in single["losses"]] == [1, 2] and single["gradient_accumulation_steps"] == 2
+    assert single["memory"]["peak_gpu_allocated"] is None  # no GPU: the guard recorded host memory only

@@ -45,10 +45,11 @@ def excluded_kernels(train: TrainSpec) -> dict[str, str]:
 def rank_checkpointing(train: TrainSpec, mode: bool | str) -> bool | str:
     """The checkpointing a rank runs: under FSDP "unsloth" becomes standard (non-reentrant) checkpointing.
 
-    "unsloth" hands each layer's trainable parameters, collected when it is enabled, to its autograd
-    Function; FSDP1 then replaces those parameters by views of flat parameters, so the gradients would go to
-    the stale originals and the LoRA weights would never change. Standard checkpointing recomputes through
-    the module calls, inside FSDP's unshard/reshard (as Answer.AI's fsdp_qlora does).
+    "unsloth" runs each layer under no_grad and hands `layer.parameters()` to an autograd Function that
+    re-runs the layer in its backward; under FSDP1 those are the nested LoRA units' sharded flat parameters,
+    gathered and reduced by FSDP's hooks around a recompute they were not written for: not verified, so
+    offloaded checkpointing is not offered under FSDP yet. Standard checkpointing recomputes through the
+    module calls inside the layer's FSDP unit, as Answer.AI's fsdp_qlora does.
     """
     if _fsdp(train) and mode == "unsloth":
         return True
