@@ -191,3 +191,23 @@ def test_ddp_bench_fsdp_mode_on_the_cpu_checks_the_estimates_and_runs_the_single
     single = json.loads((out / "ddp_bench-fsdp.single.json").read_text())
     assert [e["step"] for e in single["losses"]] == [1, 2] and single["gradient_accumulation_steps"] == 2
     assert single["memory"]["peak_gpu_allocated"] is None  # no GPU: the guard recorded host memory only
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_rope_stays_float32_where_fsdp_casts_buffers(family):
+    """FSDP1 casts registered buffers to bf16 at the first forward; RoPE's inv_freq must not follow."""
+    from slimtune.tiny import build_model
+    from slimtune.train.fp32_rope import keep_rope_fp32
+
+    model = build_model(family, vocab_size=256).eval()
+    ids = torch.arange(200).remainder(256)[None]  # positions up to 199: a bf16 inv_freq moves their angles
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        assert keep_rope_fp32(model) >= 1
+        assert not any(n.endswith("inv_freq") for n, _ in model.named_buffers())
+        for b in model.buffers():  # what FSDP's MixedPrecision(buffer_dtype=bf16) does
+            b.data = b.data.to(torch.bfloat16)
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
+    rotary = next(m for m in model.modules() if hasattr(m, "inv_freq"))
+    assert rotary.inv_freq.dtype == torch.float32
