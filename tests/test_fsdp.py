@@ -101,7 +101,7 @@ def test_the_guard_estimates_fsdp_per_rank(tmp_path):
     does not fit, each of 2 FSDP ranks does (benchmarks/ddp_bench.py --parallelism fsdp checks it on GPUs).
 
     Through the stage's own estimate, both with the kernels an FSDP rank keeps (it leaves lora_nf4 and
-    host_embedding out; with them, and "unsloth" checkpointing, one GPU fits this step in about 10.4 GiB).
+    host_embedding out; with them, and "unsloth" checkpointing, one GPU fits this step in 9.97 GiB).
     """
     from slimtune.flows.stages import train_estimate
     from slimtune.tasks.attach_lora import FSDP_EXCLUDED_KERNELS
