@@ -173,6 +173,28 @@ MODEL_SHAPES: dict[str, ModelShape] = {
             pad_token_id=32000,
         ),
     ),
+    # FSDP-QLoRA's target: ~9.2 GiB of NF4 weights (1.45 GiB each for the bf16 input table and lm_head),
+    # more than one 12 GiB budget holds with a step's activations, half of it per rank on two GPUs.
+    "qwen14b": ModelShape(
+        "qwen14b",
+        "Qwen2.5-14B",
+        "qwen2",
+        dict(
+            hidden_size=5120,
+            intermediate_size=13824,
+            num_hidden_layers=48,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            vocab_size=152064,
+            max_position_embeddings=131072,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            bos_token_id=151643,
+            eos_token_id=151643,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
     # CPU smoke tests only: every code path of the real shapes (GQA, untied head) at toy size.
     "tiny": ModelShape(
         "tiny",

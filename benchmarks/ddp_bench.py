@@ -12,14 +12,24 @@ The single-GPU run keeps the per-GPU micro-batch and accumulates N micro-batches
 accumulate`, the same work per GPU and micro-batch, so the ratio is the data-parallel scaling), or takes
 all N*b rows in one micro-batch (`--single wide`, the 2026-11-21 result).
 
+FSDP-QLoRA (`--parallelism fsdp --budget-gib B`): the N-GPU run trains under `guard.gpu_memory_fraction` = B GiB
+of each GPU (the allocator cap, in every rank) and the single run without a cap is the loss reference. Both use
+the checkpointing and kernels FSDP can train through (standard checkpointing; no lora_nf4 or host_embedding),
+so they do the same math. Before training, the guard's estimates (`slimtune plan` under a B GiB budget) say
+whether one GPU and each FSDP rank fit B GiB; the JSON holds those verdicts, each rank's measured peak and
+whether it stayed within B, and the per-step loss difference.
+
     python benchmarks/ddp_bench.py --gpus 2 --out $OUT                              # 0.5B, chat rows
     python benchmarks/ddp_bench.py --shape 8b --micro 4 --seq 2048 --steps 12 --out $OUT
+    python benchmarks/ddp_bench.py --shape qwen14b --parallelism fsdp --budget-gib 12 --micro 1 --seq 2048 \
+        --steps 6 --out $OUT                                                        # FSDP-QLoRA, 14B
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import sys
@@ -29,6 +39,8 @@ from pathlib import Path
 
 _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO))
+
+from benchmarks.common import MODEL_SHAPES  # noqa: E402
 
 # A ~0.5B Llama (hidden 1536, 16 layers, the tiny tokenizer's vocabulary): big enough that a step is GPU
 # bound, small enough that building it and two runs fit in a few minutes.
@@ -41,6 +53,10 @@ _SHAPE = dict(
     head_dim=96,
     max_position_embeddings=4096,
 )
+
+
+# An H200's memory as torch reports it (the device tool's nvidia-h200 kinds): the budget's base on the CPU.
+_H200_GIB = 139.8
 
 
 def _build_model(out: Path) -> Path:
@@ -113,7 +129,9 @@ def _spec(model_dir: Path, data: Path, out: Path, name: str, gpus: int, args: ar
             "name": name,
             "output_dir": str(out),
             "model": {"name_or_path": str(model_dir), "device": args.device},
-            "lora": {"r": 16, "alpha": 16, "dropout": 0.0, "gradient_checkpointing": "unsloth"},
+            "lora": {"r": 16, "alpha": 16, "dropout": 0.0, "gradient_checkpointing": _checkpointing(args)},
+            # the N-GPU run under the budget; the single run is the uncapped reference
+            "guard": {"gpu_memory_fraction": _fraction(args) if gpus > 1 else None},
             "data": {
                 "path": str(data),
                 "format": "text" if args.shape or args.model else "auto",
@@ -131,6 +149,7 @@ def _spec(model_dir: Path, data: Path, out: Path, name: str, gpus: int, args: ar
                 "resume": False,
                 "num_gpus": gpus,
                 "parallelism": args.parallelism,
+                "kernels": _kernels(args, model_dir),
             },
             "merge": {"enabled": False},
             "export": {"gguf": []},
@@ -138,26 +157,91 @@ def _spec(model_dir: Path, data: Path, out: Path, name: str, gpus: int, args: ar
     )
 
 
+def _checkpointing(args: argparse.Namespace) -> bool | str:
+    """ "unsloth" for DDP; standard for FSDP (the ranks would run "unsloth" as standard anyway)."""
+    return "unsloth" if args.parallelism == "ddp" else True
+
+
+def _fraction(args: argparse.Namespace) -> float | None:
+    """`guard.gpu_memory_fraction` that caps each rank's allocator at --budget-gib of its GPU."""
+    return None if args.budget_gib is None else args.budget_gib * 2**30 / _gpu_total(args)
+
+
+def _gpu_total(args: argparse.Namespace) -> int:
+    """The GPU's memory in bytes; on the CPU the nominal H200's, so the plan check runs there too."""
+    import torch
+
+    if args.device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return int(_H200_GIB * 2**30)
+
+
+def _kernels(args: argparse.Namespace, model_dir: Path) -> str | list[str]:
+    """ "auto" for DDP (and on the CPU, where auto selects none); for FSDP the family's kernels that FSDP keeps,
+    named for both runs so that the single reference does the same math."""
+    if args.parallelism == "ddp" or args.device == "cpu":
+        return "auto"
+    from slimtune.families import FAMILIES
+    from slimtune.tasks.attach_lora import FSDP_EXCLUDED_KERNELS
+
+    family = json.loads((model_dir / "config.json").read_text())["model_type"]
+    return [k for k in FAMILIES[family].kernels if k not in FSDP_EXCLUDED_KERNELS]
+
+
+def _fit_check(single, multi, args: argparse.Namespace) -> dict:
+    """`slimtune plan`'s packed_sft verdicts under --budget-gib: one GPU, then one FSDP rank (before training)."""
+    from slimtune.plan import Budget, model_config, plan, render
+
+    total, out = _gpu_total(args), {"budget_gib": args.budget_gib, "gpu_total_gib": _gpu_total(args) / 2**30}
+    budget = Budget(total, _fraction(args), None)
+    for key, spec in (("single", single), ("per_rank", multi)):
+        spec = spec.model_copy(deep=True)
+        spec.guard.gpu_memory_fraction = budget.gpu_fraction  # the single run's, as if it had the budget
+        rows, limits = plan(spec, model_config(spec), budget)
+        train = next(r for r in rows if r.stage == "packed_sft")
+        out[key] = {
+            "gpu_gib": train.estimate.gpu_bytes / 2**30,
+            "allocator_gib": (train.estimate.gpu_bytes - train.estimate.context_gpu_bytes) / 2**30,
+            "fits": train.gpu_fits,
+            "breakdown_gib": {k: v / 2**30 for k, v in train.estimate.breakdown.items() if k.startswith("gpu")},
+            "plan": render(spec, rows, limits, budget),
+        }
+    return out
+
+
 def _single(spec) -> dict:
     from slimtune import registry
+    from slimtune.memory.guard import guarded
     from slimtune.tasks.attach_lora import attach_lora
     from slimtune.tasks.load_4bit import load_4bit
     from slimtune.tasks.packed_sft import packed_sft, prepare_data
 
-    loaded = load_4bit(spec)
-    lora = attach_lora(spec, loaded.handle)
-    examples = prepare_data(spec, loaded.model_dir)
-    report = packed_sft(
-        spec,
-        lora.handle,
-        lora.checkpointing_handle,
-        examples,
-        micro_batch_size=spec.train.micro_batch_size,
-        gradient_accumulation_steps=spec.train.gradient_accumulation_steps,
-        gradient_checkpointing=spec.lora.gradient_checkpointing,
-    )
-    registry.release_all()
-    return asdict(report)
+    with guarded("packed_sft", estimate=None, device=_device(spec)) as record:
+        loaded = load_4bit(spec)
+        lora = attach_lora(spec, loaded.handle)
+        examples = prepare_data(spec, loaded.model_dir)
+        report = packed_sft(
+            spec,
+            lora.handle,
+            lora.checkpointing_handle,
+            examples,
+            micro_batch_size=spec.train.micro_batch_size,
+            gradient_accumulation_steps=spec.train.gradient_accumulation_steps,
+            gradient_checkpointing=spec.lora.gradient_checkpointing,
+        )
+        registry.release_all()
+    memory = {"budget": None, "peak_gpu_allocated": record.peak_gpu_allocated}
+    return {**asdict(report), "memory": {**memory, "peak_gpu_reserved": record.peak_gpu_reserved}}
+
+
+def _device(spec) -> str:
+    return "cpu" if spec.model.device == "cpu" else "cuda:0"
+
+
+def _peaks_gib(report: dict) -> list[dict]:
+    """Each process's allocator peaks (GiB) and its budget: the single run's, or every rank's."""
+    memories = [r["memory"] for r in report["ranks"]] if "ranks" in report else [report["memory"]]
+    return [{k: (v / 2**30 if isinstance(v, int) else v) for k, v in m.items()} for m in memories]
 
 
 def _steady(report: dict, warmup: int) -> float:
@@ -174,19 +258,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the steady tokens/s")
-    p.add_argument("--shape", choices=["8b"], help="a Llama shape of benchmarks/common.py (default: the 0.5B one)")
+    p.add_argument("--shape", choices=sorted(MODEL_SHAPES), help="a shape of benchmarks/common.py (default: 0.5B)")
     p.add_argument("--single", choices=["accumulate", "wide"], default="accumulate")
     p.add_argument("--parallelism", choices=["ddp", "fsdp"], default="ddp", help="train.parallelism of the N-GPU run")
     p.add_argument("--device", default="auto", help="cpu: gloo ranks on the CPU (a check of the script, not a figure)")
+    p.add_argument("--budget-gib", type=float, help="each GPU's budget in the N-GPU run (guard.gpu_memory_fraction)")
+    p.add_argument("--loss-tol", type=float, default=0.05, help="largest per-step |loss difference| called agreement")
     p.add_argument("--model", help="an existing model folder instead of a built shape (e.g. the tiny one on CPU)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args(argv)
+    # the ranks' output (and a failing rank's traceback) reaches stdout through slimtune.flows.ranks' log
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     out = Path(args.out)
     work = Path(os.environ.get("DDP_BENCH_WORK", "/tmp/ddp_bench"))
     work.mkdir(parents=True, exist_ok=True)
     rows_needed = args.steps * args.micro * args.gpus
+    built = time.perf_counter()
     if args.model:
         model_dir = Path(args.model)
         data = _write_text(work / "data.jsonl", rows=rows_needed + 8, seq=args.seq)
@@ -202,13 +291,30 @@ def main(argv: list[str] | None = None) -> int:
 
     from slimtune.flows import ranks
 
-    began = time.perf_counter()
-    single = _single(_spec(model_dir, data, work / "runs", "single", 1, args))
-    out.mkdir(parents=True, exist_ok=True)  # kept if the DDP run does not finish within a time limit
-    (out / f"ddp_bench-{args.parallelism}.single.json").write_text(json.dumps(single, indent=2, default=str))
+    build_s = time.perf_counter() - built
+    out.mkdir(parents=True, exist_ok=True)  # each part is kept if a later one does not finish within a time limit
     spec = _spec(model_dir, data, work / "runs", "ddp", args.gpus, args)
+    single_spec = _spec(model_dir, data, work / "runs", "single", 1, args)
+    fit = _fit_check(single_spec, spec, args) if args.budget_gib is not None else None
+    if fit is not None:
+        (out / f"ddp_bench-{args.parallelism}.fit.json").write_text(json.dumps(fit, indent=2))
+        for key in ("single", "per_rank"):
+            print(
+                f"ddp_bench: estimate {key}: {fit[key]['allocator_gib']:.2f} GiB in the allocator "
+                f"(+context {fit[key]['gpu_gib'] - fit[key]['allocator_gib']:.2f}), "
+                f"{'fits' if fit[key]['fits'] else 'DOES NOT FIT'} {args.budget_gib} GiB"
+            )
+    began = time.perf_counter()
+    single = _single(single_spec)
+    (out / f"ddp_bench-{args.parallelism}.single.json").write_text(json.dumps(single, indent=2, default=str))
+    if args.parallelism == "fsdp" and args.device == "cpu":
+        print("ddp_bench: FSDP runs on GPUs only; on the CPU the estimate check and the single run are the check")
+        return 0
     multi = ranks.launch(
-        spec, micro_batch_size=args.micro, gradient_accumulation_steps=1, gradient_checkpointing="unsloth"
+        spec,
+        micro_batch_size=args.micro,
+        gradient_accumulation_steps=1,
+        gradient_checkpointing=spec.lora.gradient_checkpointing,
     )
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(single["losses"], multi["losses"])]
     # Under DDP the logged loss must be the mean of the ranks' own shares (the global token mean).
@@ -234,7 +340,19 @@ def main(argv: list[str] | None = None) -> int:
         "scaling": multi["tokens_per_s_all_ranks"] / single["tokens_per_s"],
         "steady_tokens_per_s": [_steady(single, args.warmup), _steady(multi, args.warmup)],
         "wall_s": time.perf_counter() - began,
+        "build_s": build_s,
+        "kernels": spec.train.kernels,
+        "checkpointing": spec.lora.gradient_checkpointing,
+        "fit_check": fit
+        and {k: v for k, v in fit.items() if k not in ("single", "per_rank")}
+        | {k: {"gpu_gib": fit[k]["gpu_gib"], "fits": fit[k]["fits"]} for k in ("single", "per_rank")},
+        "peaks_gib": {"single": _peaks_gib(single), "ranks": _peaks_gib(multi)},
+        "loss_tolerance": args.loss_tol,
     }
+    budget = args.budget_gib
+    rank_reserved = [m["peak_gpu_reserved"] for m in result["peaks_gib"]["ranks"]]
+    result["within_budget"] = None if budget is None or None in rank_reserved else max(rank_reserved) <= budget
+    result["losses_agree"] = result["loss_abs_diff_max"] <= args.loss_tol
     result["steady_scaling"] = result["steady_tokens_per_s"][1] / result["steady_tokens_per_s"][0]
     result["efficiency"] = result["scaling"] / args.gpus
     out.mkdir(parents=True, exist_ok=True)
@@ -250,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         f"(x{result['scaling']:.2f}, {100 * result['efficiency']:.0f}% efficiency); steady "
         f"{result['steady_tokens_per_s'][0]:.0f} -> {result['steady_tokens_per_s'][1]:.0f} "
         f"(x{result['steady_scaling']:.2f}); logged loss vs mean of rank shares "
-        f"{result['logged_vs_mean_of_rank_shares_max']:.2e}"
+        f"{result['logged_vs_mean_of_rank_shares_max']:.2e}; rank peaks reserved (GiB) "
+        f"{[round(v, 2) if v is not None else None for v in rank_reserved]} vs budget {budget}: within "
+        f"{result['within_budget']}; losses agree within {args.loss_tol}: {result['losses_agree']}"
     )
     return 0
 

@@ -71,6 +71,9 @@ def test_two_ranks_log_the_global_loss_of_one_process_and_only_rank0_writes(tmp_
     assert report["world_size"] == 2 and report["backend"] == "gloo"
     assert [r["rank"] for r in report["ranks"]] == [0, 1] and all(r["tokens_seen"] > 0 for r in report["ranks"])
     assert report["tokens_per_s_all_ranks"] > report["ranks"][0]["tokens_per_s"]
+    # each rank ran under its own guard (no GPU here: no budget, no GPU peak) and reports its own peak
+    assert all(r["memory"]["peak_host_rss"] > 0 and r["memory"]["budget"] is None for r in report["ranks"])
+    assert len({r["memory"]["peak_host_rss"] for r in report["ranks"]}) == 2  # two processes, two samples
     assert [e["step"] for e in report["losses"]] == [e["step"] for e in single["losses"]] == [1, 2, 3, 4]
     for mine, ref in zip(report["losses"], single["losses"]):
         atol = _LOSS_ATOL.get(mine["step"], _LOSS_ATOL_LATER)

@@ -13,6 +13,7 @@ import torch
 from prefect_server import REPO
 
 from slimtune import registry
+from slimtune.families import FAMILIES
 from slimtune.spec import SpecError, load_spec, parse_spec
 
 # Qwen2.5-14B's shape: its NF4 weights (~9.7 GB with bf16 embeddings) plus a 4 x 2048 step do not fit 12 GiB.
@@ -96,21 +97,32 @@ def test_trainer_arguments_set_up_fsdp1_with_flat_parameters_and_no_checkpoints(
 
 
 def test_the_guard_estimates_fsdp_per_rank(tmp_path):
-    """14B, 4 x 2048 per GPU, a 12 GiB budget: one GPU does not fit, each of 2 FSDP ranks does.
+    """14B, 1 x 2048 per GPU, standard checkpointing (what FSDP runs), a 12 GiB allocator budget: one GPU
+    does not fit, each of 2 FSDP ranks does (benchmarks/ddp_bench.py --parallelism fsdp checks it on GPUs).
 
-    Through the stage's own estimate (the kernels a GPU run applies; multi-GPU runs leave host_embedding out).
+    Through the stage's own estimate, both with the kernels an FSDP rank keeps (it leaves lora_nf4 and
+    host_embedding out; with them, and "unsloth" checkpointing, one GPU fits this step in 9.97 GiB).
     """
     from slimtune.flows.stages import train_estimate
+    from slimtune.tasks.attach_lora import FSDP_EXCLUDED_KERNELS
 
-    def estimate(num_gpus: int, parallelism: str):
+    def estimate(num_gpus: int, parallelism: str, checkpointing: bool | str = True):
         spec = _spec(tmp_path, parallelism)
         spec.train.num_gpus, spec.data.max_seq_length = num_gpus, 2048
         spec.lora.r, spec.lora.target_modules = 16, "all-linear"
-        return train_estimate(spec, QWEN_14B, 4, "unsloth", device_type="cuda")
+        spec.train.kernels = [k for k in FAMILIES["qwen2"].kernels if k not in FSDP_EXCLUDED_KERNELS]
+        return train_estimate(spec, QWEN_14B, 1, checkpointing, device_type="cuda")
+
+    def allocator(est) -> float:  # the budget caps the allocator; the CUDA context is outside it
+        return est.gpu_bytes - est.context_gpu_bytes
 
     one, ddp, two = estimate(1, "ddp"), estimate(2, "ddp"), estimate(2, "fsdp")
-    assert one.gpu_bytes > 12 * _GIB > two.gpu_bytes, (one.gpu_bytes / _GIB, two.gpu_bytes / _GIB)
-    assert ddp.gpu_bytes > one.gpu_bytes  # a DDP rank keeps the input embeddings on its GPU
+    assert allocator(one) > 12 * _GIB > allocator(two), (allocator(one) / _GIB, allocator(two) / _GIB)
+    assert ddp.gpu_bytes == one.gpu_bytes  # with host_embedding left out of both, a DDP rank is one GPU
+    assert estimate(2, "fsdp", "unsloth").breakdown == two.breakdown  # a rank runs "unsloth" as standard
+    # FSDP1 keeps the root unit (input table and lm_head) gathered for the whole step, beside its shard
+    tables = "gpu: embeddings and lm_head"
+    assert two.breakdown["gpu: gathered root unit (FSDP: embeddings and lm_head)"] == ddp.breakdown[tables]
     nf4, lora = "gpu: nf4 linears", "gpu: lora weights and grads (fp32)"
     assert two.breakdown[nf4] * 2 - one.breakdown[nf4] in (0, 1)
     assert two.breakdown[lora] * 2 - one.breakdown[lora] in (0, 1)
@@ -127,3 +139,75 @@ def test_fsdp_refusals_name_the_fix(tmp_path):
         ranks.check_devices(_spec(tmp_path, "fsdp"))  # the spec's device is cpu
     with pytest.raises(SpecError, match="train.*paged_adamw_8bit.*use adamw_torch"):
         parse_spec({"train": {"num_gpus": 2, "parallelism": "fsdp", "optimizer": "paged_adamw_8bit"}})
+
+
+def test_fsdp_ranks_leave_out_what_fsdp1_cannot_train_through():
+    """Kernels that read weights outside their FSDP unit, and "unsloth" checkpointing (stale parameters)."""
+    from slimtune.spec import TrainSpec
+    from slimtune.tasks.attach_lora import excluded_kernels, rank_checkpointing
+
+    fsdp, ddp, one = TrainSpec(num_gpus=2, parallelism="fsdp"), TrainSpec(num_gpus=2), TrainSpec()
+    assert set(excluded_kernels(fsdp)) == {"lora_nf4", "host_embedding"}
+    assert set(excluded_kernels(ddp)) == {"host_embedding"} and excluded_kernels(one) == {}
+    assert rank_checkpointing(fsdp, "unsloth") is True and rank_checkpointing(fsdp, False) is False
+    assert rank_checkpointing(ddp, "unsloth") == "unsloth" == rank_checkpointing(one, "unsloth")
+
+
+def test_fsdp_load_keeps_each_quant_state_on_its_module(tmp_path):
+    """bitsandbytes restores a flattened weight's quant_state from its module under FSDP: it must be there,
+    also where the loader did not put it (the helper fills it in)."""
+    import bitsandbytes as bnb
+
+    from slimtune.tasks.load_4bit import _keep_quant_state_on_module, load_4bit
+
+    try:
+        model = registry.get(load_4bit(_spec(tmp_path, "fsdp")).handle)
+        linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        assert linears and all(m.quant_state is m.weight.quant_state for m in linears)
+        for m in linears:
+            m.quant_state = None
+        _keep_quant_state_on_module(model)
+        assert all(m.quant_state is m.weight.quant_state for m in linears)
+    finally:
+        registry.release_all()
+
+
+def test_ddp_bench_fsdp_mode_on_the_cpu_checks_the_estimates_and_runs_the_single_reference(tmp_path, monkeypatch):
+    """The GPU command's plumbing: plan verdicts for one GPU and one rank under the budget, then the single run."""
+    import json
+
+    from benchmarks import ddp_bench
+    from slimtune.tiny import ensure_builtin
+
+    monkeypatch.setenv("DDP_BENCH_WORK", str(tmp_path / "work"))
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--parallelism", "fsdp", "--budget-gib", "12", "--micro", "1", "--seq", "64"]
+    model = str(ensure_builtin("builtin:tiny-qwen2"))
+    assert ddp_bench.main([*argv, "--steps", "2", "--model", model, "--out", str(out)]) == 0
+    fit = json.loads((out / "ddp_bench-fsdp.fit.json").read_text())
+    assert fit["budget_gib"] == 12 and fit["single"]["fits"] and fit["per_rank"]["fits"]  # a tiny model fits
+    assert fit["per_rank"]["breakdown_gib"]["gpu: gathered root unit (FSDP: embeddings and lm_head)"] > 0
+    assert "allocator capped at" in fit["single"]["plan"]
+    single = json.loads((out / "ddp_bench-fsdp.single.json").read_text())
+    assert [e["step"] for e in single["losses"]] == [1, 2] and single["gradient_accumulation_steps"] == 2
+    assert single["memory"]["peak_gpu_allocated"] is None  # no GPU: the guard recorded host memory only
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_rope_stays_float32_where_fsdp_casts_buffers(family):
+    """FSDP1 casts registered buffers to bf16 at the first forward; RoPE's inv_freq must not follow."""
+    from slimtune.tiny import build_model
+    from slimtune.train.fp32_rope import keep_rope_fp32
+
+    model = build_model(family, vocab_size=256).eval()
+    ids = torch.arange(200).remainder(256)[None]  # positions up to 199: a bf16 inv_freq moves their angles
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        assert keep_rope_fp32(model) >= 1
+        assert not any(n.endswith("inv_freq") for n, _ in model.named_buffers())
+        for b in model.buffers():  # what FSDP's MixedPrecision(buffer_dtype=bf16) does
+            b.data = b.data.to(torch.bfloat16)
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
+    rotary = next(m for m in model.modules() if hasattr(m, "inv_freq"))
+    assert rotary.inv_freq.dtype == torch.float32

@@ -192,8 +192,9 @@ def _rank_env() -> tuple[int, int, int]:
 
 def _train_rank(job: dict, local_rank: int) -> dict:
     """Load, attach and train on this rank's device; returns this rank's TrainReport as a dict."""
+    from slimtune.memory.guard import guarded
     from slimtune.run_plan import resolve_plan
-    from slimtune.tasks.attach_lora import attach_lora
+    from slimtune.tasks.attach_lora import attach_lora, rank_checkpointing
     from slimtune.tasks.load_4bit import load_4bit
     from slimtune.tasks.packed_sft import packed_sft, prepare_data
 
@@ -201,21 +202,36 @@ def _train_rank(job: dict, local_rank: int) -> dict:
     if job["backend"] == "nccl":
         torch.cuda.set_device(local_rank)
         spec.model.device = f"cuda:{local_rank}"
+    checkpointing = rank_checkpointing(spec.train, job["gradient_checkpointing"])  # FSDP: standard, not "unsloth"
     plan = resolve_plan(spec)  # once per rank: its own device, the flow's model folder (already resolved there)
-    loaded = load_4bit(spec, plan)
-    lora = attach_lora(spec, loaded.handle)
-    examples = prepare_data(spec, loaded.model_dir)
-    report = packed_sft(
-        spec,
-        lora.handle,
-        lora.checkpointing_handle,
-        examples,
-        micro_batch_size=job["micro_batch_size"],
-        gradient_accumulation_steps=job["gradient_accumulation_steps"],
-        gradient_checkpointing=job["gradient_checkpointing"],
-        plan=plan,
-    )
-    return asdict(report)
+    # Each rank runs under the spec's budget (the allocator cap, on this rank's GPU) and records its own peak:
+    # the flow process's guard sees none of the ranks' allocations.
+    guard = guarded("packed_sft", estimate=None, device=str(plan.torch_device), budget_fraction=_budget(spec))
+    with guard as record:
+        loaded = load_4bit(spec, plan)
+        lora = attach_lora(spec, loaded.handle)
+        examples = prepare_data(spec, loaded.model_dir)
+        report = packed_sft(
+            spec,
+            lora.handle,
+            lora.checkpointing_handle,
+            examples,
+            micro_batch_size=job["micro_batch_size"],
+            gradient_accumulation_steps=job["gradient_accumulation_steps"],
+            gradient_checkpointing=checkpointing,
+            plan=plan,
+        )
+    memory = {
+        "budget": record.budget,
+        "peak_gpu_allocated": record.peak_gpu_allocated,
+        "peak_gpu_reserved": record.peak_gpu_reserved,
+        "peak_host_rss": record.peak_host_rss,
+    }
+    return {**asdict(report), "memory": memory}
+
+
+def _budget(spec: PipelineSpec) -> float | None:
+    return spec.guard.gpu_memory_fraction if spec.guard.enabled else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_s": report["tokens_per_s"],
             "tokens_seen": report["tokens_seen"],
             "losses": report["rank_losses"],
+            "memory": report.pop("memory"),
         }
         ranks: list = [None] * world
         dist.all_gather_object(ranks, mine)

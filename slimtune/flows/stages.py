@@ -39,7 +39,7 @@ from slimtune.memory.guard import gpu_shortfalls
 from slimtune.plan import auto_micro_batch
 from slimtune.run_plan import RunPlan
 from slimtune.spec import PipelineSpec
-from slimtune.tasks.attach_lora import MULTI_GPU_EXCLUDED_KERNELS, attach_lora
+from slimtune.tasks.attach_lora import attach_lora, excluded_kernels, rank_checkpointing
 from slimtune.tasks.cleanup import cleanup
 from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
@@ -123,12 +123,12 @@ def train_estimate(
         seq_len=spec.data.max_seq_length,
         lora_r=spec.lora.r,
         target_modules=spec.lora.target_modules,
-        checkpointing=checkpointing,
+        checkpointing=rank_checkpointing(spec.train, checkpointing),
         optimizer_bytes_per_param=_OPTIMIZER_BYTES.get(spec.train.optimizer, 8),
         kernels=[
             k
             for k in expected_kernels(spec.train.kernels, device_type, cfg.get("model_type"))
-            if spec.train.num_gpus == 1 or k not in MULTI_GPU_EXCLUDED_KERNELS
+            if k not in excluded_kernels(spec.train)
         ],
         compute_dtype_bytes=dtype_bytes,
         on_gpu=device_type == "cuda",

@@ -329,9 +329,13 @@ def estimate_train(
     tokens = micro_batch * seq_len
     gpu = _nf4_weights(shape, compute_dtype_bytes, double_quant)
     if shard_ranks > 1:
+        unsharded = gpu
         gpu = {k: -(-v // shard_ranks) for k, v in gpu.items()}
         layer = sum(_nf4_bytes(a * b, double_quant) for a, b in shape.projections().values())
         gpu["gathered layers (FSDP: computing and prefetched)"] = 2 * layer
+        # The root unit (input table, lm_head, final norm) is gathered for the forward and, being the root,
+        # FSDP1 keeps it gathered until its backward: the whole tables for the step, beside the shard.
+        gpu["gathered root unit (FSDP: embeddings and lm_head)"] = unsharded["embeddings and lm_head"]
     # attach_lora moved the frozen input table to pinned host memory and training leaves it there (8B:
     # allocated 5.32 -> 4.49 GiB at attach, measured); resident is what stays on the GPU.
     host_table = 0

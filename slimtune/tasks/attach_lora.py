@@ -11,7 +11,7 @@ from slimtune import registry
 from slimtune.families import lora_target_modules
 from slimtune.kernels import apply_kernels
 from slimtune.memory.checkpointing import enable_checkpointing, recomputing
-from slimtune.spec import PipelineSpec
+from slimtune.spec import PipelineSpec, TrainSpec
 
 log = logging.getLogger(__name__)
 _EMBEDDINGS = ("embed_tokens", "lm_head")
@@ -20,6 +20,40 @@ _EMBEDDINGS = ("embed_tokens", "lm_head")
 # DDP and FSDP want every parameter on the rank's GPU (they check device types and broadcast or shard them
 # at wrap time); the guard's estimate for a multi-GPU run leaves these kernels out too.
 MULTI_GPU_EXCLUDED_KERNELS = {"host_embedding": "train.num_gpus > 1: DDP/FSDP keep every parameter on the rank's GPU"}
+# FSDP1 (flat parameters) replaces each weight by a plain view of its unit's flat parameter, valid only while
+# that unit computes: lora_nf4 reads `base_layer.weight.quant_state` (gone from the view; bitsandbytes' own
+# forward restores it from the module) and the LoRA weights, which are FSDP units of their own, from the
+# outer layer's forward (sharded there).
+FSDP_EXCLUDED_KERNELS = {
+    **MULTI_GPU_EXCLUDED_KERNELS,
+    "lora_nf4": "train.parallelism fsdp: FSDP1 flattens the NF4 weight (its quant_state is gone) and shards "
+    "the LoRA weights the kernel reads",
+}
+
+
+def _fsdp(train: TrainSpec) -> bool:
+    return train.num_gpus > 1 and train.parallelism == "fsdp"
+
+
+def excluded_kernels(train: TrainSpec) -> dict[str, str]:
+    """Kernels this run leaves out, with why (attach_lora applies, the estimate assumes the same)."""
+    if _fsdp(train):
+        return FSDP_EXCLUDED_KERNELS
+    return MULTI_GPU_EXCLUDED_KERNELS if train.num_gpus > 1 else {}
+
+
+def rank_checkpointing(train: TrainSpec, mode: bool | str) -> bool | str:
+    """The checkpointing a rank runs: under FSDP "unsloth" becomes standard (non-reentrant) checkpointing.
+
+    "unsloth" runs each layer under no_grad and hands `layer.parameters()` to an autograd Function that
+    re-runs the layer in its backward; under FSDP1 those are the nested LoRA units' sharded flat parameters,
+    gathered and reduced by FSDP's hooks around a recompute they were not written for: not verified, so
+    offloaded checkpointing is not offered under FSDP yet. Standard checkpointing recomputes through the
+    module calls inside the layer's FSDP unit, as Answer.AI's fsdp_qlora does.
+    """
+    if _fsdp(train) and mode == "unsloth":
+        return True
+    return mode
 
 
 @dataclass(frozen=True)
@@ -83,12 +117,15 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
     peft_model = get_peft_model(model, config)
     if spec.lora.train_embeddings:
         _offload_frozen_embeddings(peft_model, device)
-    checkpointing = enable_checkpointing(peft_model, spec.lora.gradient_checkpointing)
+    mode = rank_checkpointing(spec.train, spec.lora.gradient_checkpointing)
+    if mode != spec.lora.gradient_checkpointing:
+        log.warning("lora.gradient_checkpointing %s runs as %s under FSDP", spec.lora.gradient_checkpointing, mode)
+    checkpointing = enable_checkpointing(peft_model, mode)
     peft_model.config.use_cache = False
     kernels = apply_kernels(
         peft_model,
         spec.train.kernels,  # logs what it applied and skipped, and why
-        exclude=MULTI_GPU_EXCLUDED_KERNELS if spec.train.num_gpus > 1 else None,
+        exclude=excluded_kernels(spec.train) or None,
         recomputing=recomputing,  # "unsloth" checkpointing's recompute: lora_nf4 skips the unread output
     )
     registry.replace(handle, peft_model)
@@ -123,7 +160,7 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
         trainable_parameters=trainable,
         total_parameters=total,
         target_modules=targets,
-        gradient_checkpointing=str(spec.lora.gradient_checkpointing),
+        gradient_checkpointing=str(mode),
         offloading=checkpointing.offloading,
         kernels=dict(kernels.modules),
         kernels_skipped=dict(kernels.skipped),

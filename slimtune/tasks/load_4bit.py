@@ -66,6 +66,20 @@ def keep_training_layout(model: torch.nn.Module) -> int:
     return len(linears)
 
 
+def _keep_quant_state_on_module(model: torch.nn.Module) -> None:
+    """Give each 4-bit linear its weight's quantization state, where bitsandbytes looks for it under FSDP.
+
+    FSDP1 replaces the weight by a plain view of its flat parameter, losing `weight.quant_state`;
+    bitsandbytes' forward restores it from `module.quant_state`, which it sets only when the `Params4bit`
+    was created with its module (transformers does; a loader that does not would fail at the first step).
+    """
+    import bitsandbytes as bnb
+
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit) and getattr(m, "quant_state", None) is None:
+            m.quant_state = m.weight.quant_state
+
+
 def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
     """Load the base model quantized to NF4 (double quant) and register it; returns its handle.
 
@@ -91,6 +105,8 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
     )
     model.config.use_cache = False
     n4 = keep_training_layout(model)
+    if fsdp:
+        _keep_quant_state_on_module(model)
     if n4 == 0:
         raise RuntimeError(
             f"no layer of {model_dir} was quantized to 4 bits; bitsandbytes "

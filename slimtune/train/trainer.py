@@ -40,6 +40,7 @@ from slimtune.spec import DataSpec, TrainSpec
 from slimtune.train import checkpoints
 from slimtune.train.attention import prefer_varlen
 from slimtune.train.callbacks import LogCallback, PrefectProgressCallback, run_logger
+from slimtune.train.fp32_rope import keep_rope_fp32
 from slimtune.train.options import choose_batching, model_device, resolve_optimizer, resolve_precision, scheduler_name
 
 log = logging.getLogger(__name__)
@@ -271,6 +272,8 @@ def train_adapter(
     optim = resolve_optimizer(train.optimizer, device)
     ckpt_root = run_dir / "checkpoints"
     fsdp = train.num_gpus > 1 and train.parallelism == "fsdp"
+    if fsdp:
+        keep_rope_fp32(model)  # FSDP's mixed precision would cast RoPE's inv_freq buffer to bf16
     args = _arguments(
         train,
         ckpt_root,
