@@ -161,3 +161,51 @@ def test_cli_validate_and_bad_spec_exit_codes(tmp_path):
     assert res.returncode == 2
     assert "lora.r: got 0" in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("slimtune: error:")
+
+
+@pytest.mark.parametrize("fault", [None, "forward", "backward"], ids=["no-oom", "oom-in-forward", "oom-in-backward"])
+def test_cleanup_frees_the_model_after_an_oom_retry(prefect_harness, tmp_path, monkeypatch, fault):
+    """Out of memory in packed_sft's first attempt (inside the model's forward, or in backward) is retried with a
+    downshift; cleanup must still free the model. An H100 run kept the whole model (846 MiB) after such a retry;
+    this is the CPU check of the same path, and cleanup's `survivors` name what holds a model that stays."""
+    from transformers.models.llama import modeling_llama
+
+    import slimtune.tasks.load_4bit as load_4bit_mod
+    from slimtune.flows import finetune
+
+    spec = _tiny_spec(tmp_path, max_steps=2)
+    spec.train.precision = "bf16"  # as on a GPU: accelerate wraps the model's forward in autocast
+    spec.merge.enabled, spec.export.gguf, spec.data.eval_fraction = False, [], 0.0
+    models: list[weakref.ref] = []
+    keep_layout = load_4bit_mod.keep_training_layout
+
+    def track(model):
+        models.append(weakref.ref(model))
+        return keep_layout(model)
+
+    fired: list[bool] = []
+    layer_forward = modeling_llama.LlamaDecoderLayer.forward
+
+    def oom(*_):
+        fired.append(True)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    def forward(self, *args, **kwargs):
+        # layer 1, so that layer 0's activations (and their autograd graph) exist when it fails
+        first = self.training and not fired and self.self_attn.layer_idx == 1
+        if fault == "forward" and first:
+            oom()
+        out = layer_forward(self, *args, **kwargs)
+        if fault == "backward" and first and not getattr(forward, "hooked", False):
+            forward.hooked = True
+            (out[0] if isinstance(out, tuple) else out).register_hook(oom)
+        return out
+
+    monkeypatch.setattr(load_4bit_mod, "keep_training_layout", track)
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", forward)
+    summary = finetune(spec)
+    assert bool(fired) == bool(fault)
+    assert summary["packed_sft"]["micro_batch_size"] == (2 if fault else 4)
+    assert summary["cleanup"]["survivors"] == {}, summary["cleanup"]["survivors"]
+    gc.collect()
+    assert len(models) == 1 and models[0]() is None

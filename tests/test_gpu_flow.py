@@ -97,4 +97,5 @@ def test_flow_recovers_from_oom_and_cleanup_returns_memory(prefect_harness, tmp_
     assert memory["attempts"] >= 2 and memory["downshifts"], memory
     assert trained["micro_batch_size"] * trained["gradient_accumulation_steps"] == 8
     assert trained["micro_batch_size"] < 8
+    assert not cleaned["survivors"], cleaned["survivors"]  # what still holds the model, if it outlived cleanup
     assert cleaned["after"]["gpu_allocated"] - baseline <= 64 * 2**20, cleaned

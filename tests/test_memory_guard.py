@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import subprocess
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -264,6 +265,50 @@ def test_cleanup_drops_the_nf4_dequantization_scratch():
     assert scratch.BUFFERS  # memory/ does not reach into the kernels
     cleanup(MemorySnapshot.take().to_dict())
     assert not scratch.BUFFERS
+
+
+def test_cleanup_names_what_still_holds_a_released_model(monkeypatch):
+    """A model registered, released by cleanup, but still referenced from a module global through a callback
+    (as a Trainer's callbacks reference it): cleanup reports the chain; without the holder, no survivor."""
+    import types
+
+    from slimtune import registry
+    from slimtune.tasks.cleanup import MemorySnapshot, cleanup
+
+    holder = types.ModuleType("leaky_globals")
+    monkeypatch.setitem(sys.modules, "leaky_globals", holder)
+
+    class Callback:
+        def __init__(self, model):
+            self.model = model
+
+    registry.put("model", torch.nn.Linear(4, 4))
+    holder.CALLBACKS = [Callback(registry.get(registry.handles()[-1]))]
+    kept = cleanup(MemorySnapshot.take().to_dict())
+    (handle,) = kept.survivors
+    assert handle.startswith("model-")
+    chains = kept.survivors[handle]
+    assert any(c.startswith("globals of leaky_globals -> builtins.list -> ") and "Callback" in c for c in chains)
+    registry.put("model", torch.nn.Linear(4, 4))
+    assert cleanup(MemorySnapshot.take().to_dict()).survivors == {}
+
+
+def test_live_tensors_sums_reachable_storages_and_names_the_holder_of_the_largest(monkeypatch):
+    """What cleanup reports when GPU memory stays off baseline, checked on the CPU: a view shares its base's
+    storage (counted once), and the largest tensor's chain ends at the module global that keeps it."""
+    import types
+
+    from slimtune.memory.holders import live_tensors
+
+    before, _ = live_tensors("cpu", limit=0)
+    holder = types.ModuleType("leaky_tensors")
+    monkeypatch.setitem(sys.modules, "leaky_tensors", holder)
+    weight = torch.zeros(2048, 1024)  # 8 MiB
+    holder.STATE = {"weight": weight, "view": weight[:10]}
+    del weight
+    total, largest = live_tensors("cpu", limit=1)
+    assert total - before == 8 * 2**20
+    assert largest[0].startswith("(2048, 1024) torch.float32 8.0 MiB, held by: globals of leaky_tensors -> dict")
 
 
 # --- ladders ----------------------------------------------------------------------------------------
