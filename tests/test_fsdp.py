@@ -159,6 +159,24 @@ def test_fsdp_rank_beats_the_best_single_gpu_where_the_tables_are_small(tmp_path
     assert allocator(QWEN_14B, 2, True, rank_kernels) > allocator(QWEN_14B, 1, "unsloth", every)
 
 
+@pytest.mark.parametrize("layers,seq", [(2, 128), (48, 2048)])
+def test_fsdp_step_estimate_covers_wrapping_the_root_unit(layers, seq):
+    """FSDP wraps the root unit last, every layer already sharded: its tables and their flat copy (2 x the
+    tables) beside the shards and the LoRA weights. The step's estimate (gathered root, its shard, their
+    fragmentation) stays above that, also where the tables dominate (2 layers, 152k vocabulary, 128 tokens)."""
+    from slimtune.memory.estimate import estimate_train
+
+    cfg = dict(QWEN_14B, num_hidden_layers=layers)
+    est = estimate_train(
+        cfg, micro_batch=1, seq_len=seq, lora_r=16, target_modules="all-linear", checkpointing=True, shard_ranks=2
+    )
+    tables = cfg["vocab_size"] * cfg["hidden_size"] * 2 * 2  # input table and lm_head, bf16
+    shards = sum(
+        est.breakdown[f"gpu: {k}"] for k in ("nf4 linears", "norms and biases", "lora weights and grads (fp32)")
+    )
+    assert est.gpu_bytes > 2 * tables + shards + est.context_gpu_bytes
+
+
 def test_an_fsdp_rank_on_a_gpu_loads_into_host_memory(tmp_path):
     from slimtune.tasks.load_4bit import loads_on_host
 

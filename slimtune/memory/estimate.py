@@ -323,8 +323,9 @@ def estimate_train(
     and optimizer state, and gathers whole layers while it computes them (the one it computes and the
     one prefetched: two decoder layers' NF4 weights). Activations are per rank, as under DDP. Each rank
     quantizes the model in host memory and FSDP moves it to the GPU unit by unit as it wraps
-    (load_4bit.loads_on_host), so a rank never holds the whole model; wrapping peaks at the root unit,
-    wrapped last, whose tables are copied into one flat parameter beside the originals. FSDP shards the
+    (load_4bit.loads_on_host), so a rank never holds the whole model. Wrapping peaks at the root unit,
+    wrapped last: its tables and their flat copy beside the layers' shards, below the step's gathered root,
+    its shard and their fragmentation (tests/test_fsdp.py checks it). FSDP shards the
     packed NF4 data; each linear's quantization state (a module attribute) stays whole on every rank. Not
     calibrated on a GPU yet.
     """
@@ -398,13 +399,6 @@ def estimate_train(
         gpu["allocator fragmentation"] += int(host_table * _OFFLOAD_HOST_TABLE_FRAGMENTATION)
     if on_gpu:
         gpu[_CONTEXT_TERM] = _CUDA_CONTEXT_BYTES
-    if shard_ranks > 1:
-        # Wrapping the root unit (every layer already sharded, no gradients or optimizer state yet): its
-        # tables and their flat copy. The peak when the tables outweigh the step's activations.
-        shards = gpu["nf4 linears"] + gpu["norms and biases"] + -(-lora * 4 // shard_ranks)
-        wrapping = shards + 2 * unsharded["embeddings and lm_head"] + gpu.get(_CONTEXT_TERM, 0)
-        if wrapping > sum(gpu.values()):
-            gpu["root unit flattened while FSDP wraps it"] = wrapping - sum(gpu.values())
     checkpoint = lora * (4 + optimizer_bytes_per_param)
     # A resumable checkpoint is written beside the previous one before that one is removed.
     disk = {"adapter and optimizer checkpoints (2 kept while writing)": 2 * checkpoint}
