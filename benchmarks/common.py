@@ -195,6 +195,27 @@ MODEL_SHAPES: dict[str, ModelShape] = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
     ),
+    # 14.1B parameters: Qwen2.5-14B's layers (50 of them) with a 32k vocabulary (Llama-2/Mistral's size) in
+    # place of its 152k. Under FSDP1 the input table and lm_head stay gathered for every step; with 152k of
+    # them an FSDP rank holds more than one GPU running slimtune's best settings (benchmarks/ddp_bench.py).
+    "qwen14b-v32k": ModelShape(
+        "qwen14b-v32k",
+        "Qwen2.5-14B layers x 50, 32k vocabulary",
+        "qwen2",
+        dict(
+            hidden_size=5120,
+            intermediate_size=13824,
+            num_hidden_layers=50,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            vocab_size=32768,
+            max_position_embeddings=32768,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
     # CPU smoke tests only: every code path of the real shapes (GQA, untied head) at toy size.
     "tiny": ModelShape(
         "tiny",

@@ -16,13 +16,16 @@ FSDP-QLoRA (`--parallelism fsdp --budget-gib B`): the N-GPU run trains under `gu
 of each GPU (the allocator cap, in every rank) and the single run without a cap is the loss reference. Both use
 the checkpointing and kernels FSDP can train through (standard checkpointing; no lora_nf4 or host_embedding),
 so they do the same math. Before training, the guard's estimates (`slimtune plan` under a B GiB budget) say
-whether one GPU and each FSDP rank fit B GiB; the JSON holds those verdicts, each rank's measured peak and
-whether it stayed within B, and the per-step loss difference.
+whether one GPU and each FSDP rank fit B GiB, and one GPU with slimtune's best settings ("unsloth"
+checkpointing, every kernel: `single_best`) is tried under B through the guard's preflight (refused before
+anything loads, or not); the JSON holds those verdicts, each rank's measured peak and whether it stayed
+within B, the per-step loss difference, and `done_when`: the best single GPU refused, every rank within B,
+losses agreeing. Each FSDP rank quantizes the model in host memory (load_4bit.loads_on_host).
 
     python benchmarks/ddp_bench.py --gpus 2 --out $OUT                              # 0.5B, chat rows
     python benchmarks/ddp_bench.py --shape 8b --micro 4 --seq 2048 --steps 12 --out $OUT
-    python benchmarks/ddp_bench.py --shape qwen14b --parallelism fsdp --budget-gib 12 --micro 1 --seq 2048 \
-        --steps 6 --out $OUT                                                        # FSDP-QLoRA, 14B
+    python benchmarks/ddp_bench.py --shape qwen14b-v32k --parallelism fsdp --budget-gib 8.4 --micro 1 \
+        --seq 2048 --steps 5 --out $OUT                                             # FSDP-QLoRA, 14.1B
 """
 
 from __future__ import annotations
@@ -188,13 +191,23 @@ def _kernels(args: argparse.Namespace, model_dir: Path) -> str | list[str]:
     return [k for k in FAMILIES[family].kernels if k not in FSDP_EXCLUDED_KERNELS]
 
 
-def _fit_check(single, multi, args: argparse.Namespace) -> dict:
-    """`slimtune plan`'s packed_sft verdicts under --budget-gib: one GPU, then one FSDP rank (before training)."""
+def _best_single(single):
+    """One GPU with slimtune's best settings: "unsloth" checkpointing and every kernel (host_embedding,
+    lora_nf4), which the FSDP ranks and so the loss reference leave out."""
+    best = single.model_copy(deep=True)
+    best.lora.gradient_checkpointing = "unsloth"
+    best.train.kernels = "auto"
+    return best
+
+
+def _fit_check(best, single, multi, args: argparse.Namespace) -> dict:
+    """`slimtune plan`'s packed_sft verdicts under --budget-gib: one GPU (best settings, then the reference's),
+    then one FSDP rank (before training)."""
     from slimtune.plan import Budget, model_config, plan, render
 
     total, out = _gpu_total(args), {"budget_gib": args.budget_gib, "gpu_total_gib": _gpu_total(args) / 2**30}
     budget = Budget(total, _fraction(args), None)
-    for key, spec in (("single", single), ("per_rank", multi)):
+    for key, spec in (("single_best", best), ("single", single), ("per_rank", multi)):
         spec = spec.model_copy(deep=True)
         spec.guard.gpu_memory_fraction = budget.gpu_fraction  # the single run's, as if it had the budget
         rows, limits = plan(spec, model_config(spec), budget)
@@ -207,6 +220,24 @@ def _fit_check(single, multi, args: argparse.Namespace) -> dict:
             "plan": render(spec, rows, limits, budget),
         }
     return out
+
+
+def _attempt(spec, args: argparse.Namespace) -> dict:
+    """`spec` on one GPU under --budget-gib, as far as the guard's preflight (nothing is loaded either way)."""
+    from slimtune.flows.stages import train_estimate
+    from slimtune.memory.errors import PreflightError
+    from slimtune.memory.guard import guarded
+    from slimtune.plan import model_config
+
+    device = _device(spec)
+    micro, ckpt = spec.train.micro_batch_size, spec.lora.gradient_checkpointing
+    est = train_estimate(spec, model_config(spec), micro, ckpt, device.split(":")[0])
+    try:
+        with guarded("packed_sft", estimate=est, device=device, budget_fraction=_fraction(args)):
+            pass
+    except PreflightError as e:
+        return {"refused": True, "error": str(e)}
+    return {"refused": False, "error": None}
 
 
 def _single(spec) -> dict:
@@ -295,10 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)  # each part is kept if a later one does not finish within a time limit
     spec = _spec(model_dir, data, work / "runs", "ddp", args.gpus, args)
     single_spec = _spec(model_dir, data, work / "runs", "single", 1, args)
-    fit = _fit_check(single_spec, spec, args) if args.budget_gib is not None else None
+    best_spec = _best_single(single_spec)
+    fit = _fit_check(best_spec, single_spec, spec, args) if args.budget_gib is not None else None
     if fit is not None:
+        fit["single_best_attempt"] = _attempt(best_spec, args)  # refused before loading, or not
         (out / f"ddp_bench-{args.parallelism}.fit.json").write_text(json.dumps(fit, indent=2))
-        for key in ("single", "per_rank"):
+        print(f"ddp_bench: one GPU, best settings, under {args.budget_gib} GiB: {fit['single_best_attempt']}")
+        for key in ("single_best", "single", "per_rank"):
             print(
                 f"ddp_bench: estimate {key}: {fit[key]['allocator_gib']:.2f} GiB in the allocator "
                 f"(+context {fit[key]['gpu_gib'] - fit[key]['allocator_gib']:.2f}), "
@@ -344,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": spec.train.kernels,
         "checkpointing": spec.lora.gradient_checkpointing,
         "fit_check": fit
-        and {k: v for k, v in fit.items() if k not in ("single", "per_rank")}
-        | {k: {"gpu_gib": fit[k]["gpu_gib"], "fits": fit[k]["fits"]} for k in ("single", "per_rank")},
+        and {k: v for k, v in fit.items() if k not in ("single_best", "single", "per_rank")}
+        | {k: {"gpu_gib": fit[k]["gpu_gib"], "fits": fit[k]["fits"]} for k in ("single_best", "single", "per_rank")},
         "peaks_gib": {"single": _peaks_gib(single), "ranks": _peaks_gib(multi)},
         "loss_tolerance": args.loss_tol,
     }
@@ -353,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     rank_reserved = [m["peak_gpu_reserved"] for m in result["peaks_gib"]["ranks"]]
     result["within_budget"] = None if budget is None or None in rank_reserved else max(rank_reserved) <= budget
     result["losses_agree"] = result["loss_abs_diff_max"] <= args.loss_tol
+    # Issue #22: a model one GPU cannot train within the budget (best settings, refused) trains on N GPUs within
+    # it (every rank's measured peak), with the losses of the uncapped single run from the same init.
+    result["done_when"] = bool(
+        fit and fit["single_best_attempt"]["refused"] and result["within_budget"] and result["losses_agree"]
+    )
     result["steady_scaling"] = result["steady_tokens_per_s"][1] / result["steady_tokens_per_s"][0]
     result["efficiency"] = result["scaling"] / args.gpus
     out.mkdir(parents=True, exist_ok=True)
@@ -370,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(x{result['steady_scaling']:.2f}); logged loss vs mean of rank shares "
         f"{result['logged_vs_mean_of_rank_shares_max']:.2e}; rank peaks reserved (GiB) "
         f"{[round(v, 2) if v is not None else None for v in rank_reserved]} vs budget {budget}: within "
-        f"{result['within_budget']}; losses agree within {args.loss_tol}: {result['losses_agree']}"
+        f"{result['within_budget']}; losses agree within {args.loss_tol}: {result['losses_agree']}; "
+        f"done_when {result['done_when']}"
     )
     return 0
 

@@ -322,8 +322,12 @@ def estimate_train(
     `shard_ranks` > 1 is FSDP-QLoRA: each rank keeps 1/shard_ranks of the weights, LoRA weights, grads
     and optimizer state, and gathers whole layers while it computes them (the one it computes and the
     one prefetched: two decoder layers' NF4 weights). Activations are per rank, as under DDP. Each rank
-    loads the whole NF4 model before FSDP shards it, so the estimate is at least that. Not calibrated on
-    a GPU yet.
+    quantizes the model in host memory and FSDP moves it to the GPU unit by unit as it wraps
+    (load_4bit.loads_on_host), so a rank never holds the whole model. Wrapping peaks at the root unit,
+    wrapped last: its tables and their flat copy beside the layers' shards, below the step's gathered root,
+    its shard and their fragmentation (tests/test_fsdp.py checks it). FSDP shards the
+    packed NF4 data; each linear's quantization state (a module attribute) stays whole on every rank. Not
+    calibrated on a GPU yet.
     """
     shape = _shape(cfg)
     tokens = micro_batch * seq_len
@@ -331,6 +335,8 @@ def estimate_train(
     if shard_ranks > 1:
         unsharded = gpu
         gpu = {k: -(-v // shard_ranks) for k, v in gpu.items()}
+        packed = shape.layers * sum(a * b // 2 for a, b in shape.projections().values())
+        gpu["nf4 linears"] = -(-packed // shard_ranks) + unsharded["nf4 linears"] - packed
         layer = sum(_nf4_bytes(a * b, double_quant) for a, b in shape.projections().values())
         gpu["gathered layers (FSDP: computing and prefetched)"] = 2 * layer
         # The root unit (input table, lm_head, final norm) is gathered for the forward and, being the root,
@@ -393,12 +399,6 @@ def estimate_train(
         gpu["allocator fragmentation"] += int(host_table * _OFFLOAD_HOST_TABLE_FRAGMENTATION)
     if on_gpu:
         gpu[_CONTEXT_TERM] = _CUDA_CONTEXT_BYTES
-    if shard_ranks > 1:
-        # Each rank loads the whole NF4 model onto its GPU before FSDP shards it: that load, not the
-        # sharded step, is the peak when the weights outweigh the step's activations.
-        whole = sum(_nf4_weights(shape, compute_dtype_bytes, double_quant).values()) + gpu.get(_CONTEXT_TERM, 0)
-        if whole > sum(gpu.values()):
-            gpu["whole NF4 model while loading, before FSDP shards it"] = whole - sum(gpu.values())
     checkpoint = lora * (4 + optimizer_bytes_per_param)
     # A resumable checkpoint is written beside the previous one before that one is removed.
     disk = {"adapter and optimizer checkpoints (2 kept while writing)": 2 * checkpoint}

@@ -115,6 +115,13 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
     )
     torch.manual_seed(spec.train.seed)  # LoRA A is randomly initialised: same spec, same adapter
     peft_model = get_peft_model(model, config)
+    if _fsdp(spec.train):
+        # peft puts each LoRA weight beside its base weight, which an FSDP rank's load left on the host
+        # (load_4bit.loads_on_host): onto the rank's device with the rest, where the trainer looks for it.
+        with torch.no_grad():
+            for p in peft_model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.to(device)
     if spec.lora.train_embeddings:
         _offload_frozen_embeddings(peft_model, device)
     mode = rank_checkpointing(spec.train, spec.lora.gradient_checkpointing)

@@ -80,6 +80,38 @@ def _keep_quant_state_on_module(model: torch.nn.Module) -> None:
             m.quant_state = m.weight.quant_state
 
 
+def loads_on_host(spec: PipelineSpec, device: torch.device) -> bool:
+    """FSDP on GPUs: each rank quantizes the model in host memory and FSDP moves it to the GPU unit by unit.
+
+    Loaded onto the GPU, every rank would hold the whole NF4 model before FSDP shards it: more than one GPU
+    running the same step alone (14B: 11.2 vs 10.0 GiB), so sharding could never fit a model one GPU cannot.
+    """
+    return spec.train.num_gpus > 1 and spec.train.parallelism == "fsdp" and device.type == "cuda"
+
+
+def _place_for_fsdp(model: torch.nn.Module, device: torch.device) -> None:
+    """Everything but the 4-bit weights onto the rank's GPU; FSDP1 (`device_id`) moves those as it wraps.
+
+    What stays on the host is only the decoder layers' packed NF4 data: FSDP moves each layer's unit to the
+    GPU and shards it before the next (`Params4bit.to`), so a rank never holds more than one whole layer of
+    it. The rest (tables, norms, biases, buffers, each quantization state) is small or gathered for every
+    step anyway, and on the GPU the kernels and the trainer see the rank's device. `hf_device_map` names that
+    device, as a GPU load would: accelerate refuses to train a 4-bit model it believes is on the CPU.
+    """
+    import bitsandbytes as bnb
+
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                if not isinstance(p, bnb.nn.Params4bit):
+                    p.data = p.data.to(device)  # the same Parameter: tied weights stay tied
+            for name, b in module.named_buffers(recurse=False):
+                module._buffers[name] = b.to(device)
+            if isinstance(module, bnb.nn.Linear4bit):
+                module.weight.quant_state.to(device)  # in place; the module's own reference is the same object
+    model.hf_device_map = {"": str(device)}
+
+
 def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
     """Load the base model quantized to NF4 (double quant) and register it; returns its handle.
 
@@ -93,12 +125,14 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
     model_dir, device, dtype = Path(plan.model_dir), plan.torch_device, plan.dtype
     fsdp = spec.train.num_gpus > 1 and spec.train.parallelism == "fsdp"
     quant = TRAINING_NF4.bnb_config(dtype, quant_storage=dtype if fsdp else None)
+    on_host = loads_on_host(spec, device)
+    load_device = torch.device("cpu") if on_host else device
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
         quantization_config=quant,
         dtype=dtype,
-        device_map={"": str(device)},
-        max_memory=max_memory_with_headroom(str(device)),
+        device_map={"": str(load_device)},
+        max_memory=max_memory_with_headroom(str(load_device)),
         trust_remote_code=spec.model.trust_remote_code,
         use_safetensors=not spec.model.allow_pickle or None,
         attn_implementation=_attn_implementation(spec.model.attn_implementation, plan.family),
@@ -107,6 +141,8 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
     n4 = keep_training_layout(model)
     if fsdp:
         _keep_quant_state_on_module(model)
+    if on_host:
+        _place_for_fsdp(model, device)
     if n4 == 0:
         raise RuntimeError(
             f"no layer of {model_dir} was quantized to 4 bits; bitsandbytes "
