@@ -26,8 +26,10 @@ from the last hidden state. Labels are unshifted, as for transformers (`shift_la
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -181,15 +183,22 @@ def apply_kernels(
 
 
 def _replace_forward(module: torch.nn.Module, impl: Callable, patch: KernelPatch, **static) -> None:
-    """Give `module` an instance forward `impl(module, original_forward, *args, **static, **kwargs)`."""
+    """Give `module` an instance forward `impl(module, original_forward, *args, **static, **kwargs)`.
+
+    The new forward holds the module (and its original forward) only weakly. A failed step's traceback
+    outlives the step (Prefect keeps an OOM in the failed state while the task retries), and its frames keep
+    their functions: with the module in this closure, one OOM kept the whole model on the GPU after cleanup
+    (H100, 1B shape: 846 MiB). The patch's undo list holds the module until the patch is dropped.
+    """
     # accelerate's hooks live in the instance `forward` and call `_old_forward`: patch under the hook
     attr = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
     had_own = attr in module.__dict__
     previous = module.__dict__.get(attr)
-    original = getattr(module, attr)
+    owner = weakref.ref(module)
+    original = _weak_original(module, attr, previous if had_own else None)
 
     def forward(*args, **kwargs):
-        return impl(module, original, *args, **static, **kwargs)
+        return impl(owner(), original(), *args, **static, **kwargs)
 
     setattr(module, attr, forward)
 
@@ -200,6 +209,17 @@ def _replace_forward(module: torch.nn.Module, impl: Callable, patch: KernelPatch
             delattr(module, attr)
 
     patch._undo.append(undo)
+
+
+def _weak_original(module: torch.nn.Module, attr: str, previous: Callable | None) -> Callable[[], Callable]:
+    """A getter of the forward `_replace_forward` wraps, holding `module` weakly."""
+    if previous is None:
+        unbound = getattr(type(module), attr)
+        owner = weakref.ref(module)
+        return lambda: unbound.__get__(owner())
+    if inspect.ismethod(previous) and previous.__self__ is module:
+        return weakref.WeakMethod(previous)  # accelerate's `_old_forward`: the module's own forward
+    return lambda: previous  # an earlier instance forward (it holds what it holds)
 
 
 def _family_instances(base: torch.nn.Module, family: str, suffix: str):

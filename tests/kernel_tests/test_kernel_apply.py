@@ -193,3 +193,29 @@ def test_lora_falls_back_to_peft_when_adapters_are_disabled(tiny_qlora):
             patch.undo()
     assert torch.equal(got, ref)
     assert not torch.allclose(adapted, ref)  # the adapter is active again and moves the output
+
+
+def test_a_kept_traceback_does_not_keep_a_patched_model_alive():
+    """An error raised inside patched forwards, kept with its traceback (as Prefect keeps a failed attempt's
+    OOM while the task retries): once the model and its patch are dropped the model is freed. The H100 run
+    kept a 1B model on the GPU this way: frames -> patched forward -> its closure -> the module."""
+    import gc
+    import traceback
+    import weakref
+
+    model = build_model("llama", 128, num_hidden_layers=1).train()
+    patch = apply_kernels(model, ["rms_norm", "rope", "swiglu", "fused_linear_ce"])
+    assert patch.modules["rope"] == patch.modules["fused_linear_ce"] == 1  # the model's own forward is patched
+    batch = _batch(128)
+    # q_proj runs inside the attention forward the rope patch replaced: the traceback goes through it
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    del q_proj
+    with pytest.raises(RuntimeError) as info:
+        model(**batch)
+    kept = info.value
+    traceback.clear_frames(kept.__traceback__)  # what the guard does before Prefect keeps the error
+    alive = weakref.ref(model)
+    del model, patch, info
+    gc.collect()
+    assert kept.__traceback__ is not None and alive() is None
