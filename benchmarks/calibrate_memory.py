@@ -125,6 +125,7 @@ def worker(key: str, kernels: str, cells: list[dict], root: Path, results: Path,
     from slimtune.tasks.attach_lora import attach_lora
     from slimtune.tasks.load_4bit import load_4bit
     from slimtune.tasks.packed_sft import packed_sft, prepare_data
+    from slimtune.train.attention import varlen_expected
 
     model_dir, data = root / f"model-{key}", root / "calib.jsonl"
     base = _base_spec(model_dir, data, root / "runs", f"{key}-{kernels}", device)
@@ -151,6 +152,7 @@ def worker(key: str, kernels: str, cells: list[dict], root: Path, results: Path,
             target_modules="all-linear",
             checkpointing=ckpt,
             kernels=sorted(lora.kernels),  # without them full logits are counted: 1B at 4 x 8192 was skipped
+            varlen_attention=varlen_expected(_config(key), device, spec.data.packing),
         )
         if est.gpu_bytes > 1.3 * total:  # certain to run out of a whole H100: not worth the minute
             _append(results, {**row, "outcome": "skipped (estimate over 1.3 x device)"})
@@ -173,7 +175,7 @@ def worker(key: str, kernels: str, cells: list[dict], root: Path, results: Path,
                     gradient_accumulation_steps=1,
                     gradient_checkpointing=ckpt,
                 )
-            row.update(steps=report.steps, tokens_per_s=round(report.tokens_per_s))
+            row.update(steps=report.steps, tokens_per_s=round(report.tokens_per_s), batching=report.batching)
             # Where the input table is after training: host_embedding puts it in host memory at attach time.
             row["input_embeddings_device"] = str(registry.get(lora.handle).get_input_embeddings().weight.device)
             if cuda:
@@ -235,7 +237,7 @@ def _e2e(root: Path, budget_gib: float, mb: int | str, ckpt: str, merge: bool, o
         "checkpointing": ckpt,
         "rc": proc.returncode,
         "seconds": round(time.time() - t0, 1),
-        "train": {k: train.get(k) for k in ("micro_batch_size", "gradient_accumulation_steps", "steps")},
+        "train": {k: train.get(k) for k in ("micro_batch_size", "gradient_accumulation_steps", "steps", "batching")},
         "stages": stages,
         "last_line": (proc.stderr.strip().splitlines() or [""])[-1] if proc.returncode else proc.stdout.strip()[-200:],
     }

@@ -364,6 +364,12 @@ assert all(set(f.kernels) | set(f.eager) == set(KERNEL_NAMES) for f in _ROWS), "
 assert all(not set(f.kernels) & set(f.eager) for f in _ROWS)
 
 
+def text_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json with a multimodal config's nested `text_config` laid over it (the decoder's own fields)."""
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
 def family_of(config: dict[str, Any]) -> Family | None:
     """The family of a config.json dict (multimodal configs nest the text model in `text_config`)."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else None

@@ -45,6 +45,7 @@ from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 from slimtune.tasks.load_4bit import load_4bit
 from slimtune.tasks.packed_sft import packed_sft
+from slimtune.train.attention import varlen_expected
 
 log = logging.getLogger(__name__)
 STAGES = ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push")
@@ -133,6 +134,7 @@ def train_estimate(
         compute_dtype_bytes=dtype_bytes,
         on_gpu=device_type == "cuda",
         shard_ranks=spec.train.num_gpus if spec.train.parallelism == "fsdp" else 1,  # per rank
+        varlen_attention=varlen_expected(cfg, device_type, spec.data.packing),
     )
 
 

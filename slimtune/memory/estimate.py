@@ -14,7 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from slimtune.families import canonical_targets, family_of
+from slimtune.families import canonical_targets, family_of, text_fields
 from slimtune.gguf_types import GGUF_TYPES
 
 _GIB = 1024**3
@@ -26,8 +26,8 @@ _GIB = 1024**3
 # buffers in the grid's worker, and 2.09 GiB in `slimtune run` (the flow's process also runs Prefect).
 _PROCESS_HOST_BYTES = int(2.15 * _GIB)
 # Anonymous memory of the flow's process after training, before merge and export start: 1.38 GiB at 8B;
-# the merge of the same model peaked at 4.26 and 4.43 GiB anonymous in two runs (shard buffer on top).
-_PROCESS_ANON_BYTES = int(1.65 * _GIB)
+# the merge of the same model peaked at 3.89-4.36 GiB anonymous in four runs (shard buffer on top).
+_PROCESS_ANON_BYTES = int(1.60 * _GIB)
 # The caching allocator rounds blocks up and fragments, so reserved memory exceeds the tensors
 # alive; load and merge estimates carry 10% on top of what they count.
 _ALLOCATOR_SLACK = 0.10
@@ -57,10 +57,10 @@ _FUSED_RECOMPUTE = 0.9
 # The fused linear + cross-entropy works on chunks of at most 256 MiB of logits (kernels/fused_linear_ce.py).
 _FUSED_CE_CHUNK_BYTES = 256 << 20
 _FRAGMENTATION_FLOOR = int(0.2 * _GIB)
-# With the input table in host memory and the layer inputs offloaded, reserved - allocated runs above
-# the tied 1B's at the same tokens (8B: 0.57 vs 0.02 GiB at 4 x 2048; not seen with the table on the GPU).
+# With the input table in host memory, reserved - allocated runs above the tied 1B's at the same tokens
+# (8B at 4 x 2048: 0.57 vs 0.02 GiB offloaded; 0.25-0.41 vs 0.06-0.16 GiB with standard checkpointing).
 # Measured, not yet explained: a quarter of the table covers it.
-_OFFLOAD_HOST_TABLE_FRAGMENTATION = 0.25
+_HOST_TABLE_FRAGMENTATION = 0.25
 # Offloaded checkpointing: layer inputs on the GPU at once (the one computed, copies to and from host).
 _OFFLOAD_IN_FLIGHT = 3
 _STORED_TERMS = ("activations (no checkpointing)", "checkpointed layer inputs")
@@ -153,7 +153,7 @@ class _Shape:
 
 def _shape(cfg: dict[str, Any]) -> _Shape:
     """Read the dimensions that matter from a config dict; multimodal configs nest `text_config`."""
-    text = {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
+    text = text_fields(cfg)
     missing = [
         k
         for k in (
@@ -290,6 +290,18 @@ def _activation_bytes_per_token_layer(shape: _Shape, dtype_bytes: int, targets: 
     return elements * dtype_bytes + 2 * 4 * shape.hidden
 
 
+def _varlen_bytes_per_token_layer(shape: _Shape, dtype_bytes: int) -> int:
+    """What packed rows through `slimtune.train.attention.VARLEN` keep per token and layer beyond the count
+    above, with the in-place RoPE kernel.
+
+    Measured on an H100 (1B, 8B and Qwen 7B shapes, every checkpointing mode, 2048-32768 tokens): with the
+    kernels on, allocated peaks rose by exactly one 16-bit q, k and v per token-layer over the same cells
+    through SDPA (8B: 768 MiB at 1 x 2048 without checkpointing, 24 MiB with it); with the kernels off
+    (eager RoPE) they did not change. Which tensor it is was not isolated.
+    """
+    return (shape.q_dim + 2 * shape.kv_dim) * dtype_bytes
+
+
 def estimate_train(
     cfg: dict[str, Any],
     *,
@@ -304,6 +316,7 @@ def estimate_train(
     double_quant: bool = True,
     on_gpu: bool = True,
     shard_ranks: int = 1,
+    varlen_attention: bool = False,
 ) -> Estimate:
     """Memory for one QLoRA training step at `micro_batch` x `seq_len` tokens, device-wide (per rank).
 
@@ -318,6 +331,9 @@ def estimate_train(
     or while one layer is recomputed in backward, never at both: the estimate takes the larger.
     The weights are in `resident_gpu_bytes` (load_4bit put them there), so preflight counts them
     once. Calibrated on an H100 (benchmarks/results/memory/, tests/test_memory_calibration.py).
+
+    `varlen_attention`: packed rows go through varlen flash attention (`slimtune.train.attention`); with
+    the RoPE kernel a layer then keeps one more q, k and v.
 
     `shard_ranks` > 1 is FSDP-QLoRA: each rank keeps 1/shard_ranks of the weights, LoRA weights, grads
     and optimizer state, and gathers whole layers while it computes them (the one it computes and the
@@ -357,16 +373,17 @@ def estimate_train(
 
     fused = _FUSED_ACTIVATION_KERNELS <= set(kernels)
     per_layer = _activation_bytes_per_token_layer(shape, compute_dtype_bytes, targets, lora_r)
+    varlen = _varlen_bytes_per_token_layer(shape, compute_dtype_bytes) if varlen_attention and "rope" in kernels else 0
     layer_input = shape.hidden * compute_dtype_bytes
     host = {"process and CUDA libraries": _PROCESS_HOST_BYTES}
     mode = "standard" if checkpointing is True else (checkpointing or "none")
     recompute = 0
     if mode == "none":
         gpu["activations (no checkpointing)"] = int(
-            tokens * shape.layers * per_layer * (_FUSED_STORED if fused else 1.0)
+            tokens * shape.layers * (per_layer * (_FUSED_STORED if fused else 1.0) + varlen)
         )
     elif mode in ("standard", "unsloth", "offload"):
-        recompute = int(tokens * per_layer * (_FUSED_RECOMPUTE if fused else 1.0))
+        recompute = int(tokens * (per_layer * (_FUSED_RECOMPUTE if fused else 1.0) + varlen))
         if mode == "standard":
             gpu["checkpointed layer inputs"] = tokens * shape.layers * layer_input
         else:
@@ -394,9 +411,9 @@ def estimate_train(
     churn = sum(v for k, v in gpu.items() if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS)
     offloaded = mode in ("unsloth", "offload")
     share = _FRAGMENTATION_EAGER if not fused else _FRAGMENTATION_OFFLOADED if offloaded else _FRAGMENTATION
-    gpu["allocator fragmentation"] = int(churn * share) + _FRAGMENTATION_FLOOR
-    if offloaded:
-        gpu["allocator fragmentation"] += int(host_table * _OFFLOAD_HOST_TABLE_FRAGMENTATION)
+    gpu["allocator fragmentation"] = (
+        int(churn * share) + _FRAGMENTATION_FLOOR + int(host_table * _HOST_TABLE_FRAGMENTATION)
+    )
     if on_gpu:
         gpu[_CONTEXT_TERM] = _CUDA_CONTEXT_BYTES
     checkpoint = lora * (4 + optimizer_bytes_per_param)

@@ -19,9 +19,13 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from slimtune.families import text_fields
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +101,15 @@ def register() -> None:
     AttentionInterface.register(VARLEN, varlen_attention_forward)
 
 
+def _config_reason(get: Callable[[str], Any]) -> str | None:
+    """Why a decoder whose config fields `get` returns cannot use `VARLEN`, else None."""
+    if any(t != "full_attention" for t in get("layer_types") or ()):
+        return "sliding-window layers"
+    if get("attn_logit_softcapping") or (get("head_dim") or 0) > 256:
+        return "logit soft-capping or head_dim over 256"
+    return None
+
+
 def varlen_supported(model: torch.nn.Module, device: torch.device) -> str | None:
     """None when `model` can train packed rows through `VARLEN` on `device`; else the reason it cannot."""
     config = model.config
@@ -106,11 +119,16 @@ def varlen_supported(model: torch.nn.Module, device: torch.device) -> str | None
         return "needs CUDA and torch.nn.attention.varlen (torch >= 2.9)"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "flash attention needs compute capability 8.0 or newer"
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return "sliding-window layers"
-    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "head_dim", 0) > 256:
-        return "logit soft-capping or head_dim over 256"
-    return None
+    return _config_reason(lambda field: getattr(config, field, None))
+
+
+def varlen_expected(config: dict[str, Any], device_type: str, packing: str) -> bool:
+    """Whether training a model of config.json `config` will use `VARLEN` (before it is loaded): what the
+    memory estimates assume. The compute capability is not known then; an older GPU's estimate counts
+    varlen's q, k and v all the same, on the safe side."""
+    if device_type != "cuda" or packing == "padded" or _varlen_kernel() is None:
+        return False
+    return _config_reason(text_fields(config).get) is None
 
 
 def prefer_varlen(model: torch.nn.Module, device: torch.device) -> bool:
