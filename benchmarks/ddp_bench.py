@@ -224,10 +224,9 @@ def _fit_check(best, single, multi, args: argparse.Namespace) -> dict:
 
 def _attempt(spec, args: argparse.Namespace) -> dict:
     """`spec` on one GPU under --budget-gib, as far as the guard's preflight (nothing is loaded either way)."""
-    from slimtune.flows.stages import train_estimate
     from slimtune.memory.errors import PreflightError
     from slimtune.memory.guard import guarded
-    from slimtune.plan import model_config
+    from slimtune.plan import model_config, train_estimate
 
     device = _device(spec)
     micro, ckpt = spec.train.micro_batch_size, spec.lora.gradient_checkpointing

@@ -16,11 +16,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimtune.memory.estimate import Estimate, estimate_export, estimate_load_4bit, estimate_merge
+from slimtune.memory.estimate import Estimate, estimate_export, estimate_load_4bit, estimate_merge, estimate_train
 from slimtune.spec import PipelineSpec
 
 _GIB = 1024**3
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Optimizer state per trainable parameter: AdamW's two float32 moments, or two 8-bit ones.
+_OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2}
 _SEQ_STEP = 256  # sequence lengths the planner tries are multiples of this
 _MAX_MICRO_BATCH = 256
 
@@ -97,6 +99,39 @@ def detected_budget(spec: PipelineSpec, gpu_total: int | None, host: int | None)
     return Budget(detected_gpu_total(gpu_total), spec.guard.gpu_memory_fraction, host)
 
 
+def train_estimate(
+    spec: PipelineSpec, cfg: dict, micro_batch: int, checkpointing: bool | str, device_type: str
+) -> Estimate:
+    """The packed_sft estimate for `spec` at `micro_batch`: with the kernels the run will apply and the
+    optimizer it uses (shared by the stage, the planner and `micro_batch_size: auto`). `device_type`
+    may be one this machine lacks (the planner's "cuda": 16-bit compute unless the spec says float32)."""
+    # Imported here: the planner reads configs without loading torch's model code until it estimates.
+    from slimtune.kernels.apply import expected_kernels
+    from slimtune.tasks.attach_lora import excluded_kernels, rank_checkpointing
+    from slimtune.train.attention import varlen_expected
+
+    # "auto" compute dtype: bf16 or fp16 on a GPU, fp32 on the CPU (`slimtune.device.resolve_compute_dtype`)
+    dtype_bytes = DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
+    return estimate_train(
+        cfg,
+        micro_batch=micro_batch,
+        seq_len=spec.data.max_seq_length,
+        lora_r=spec.lora.r,
+        target_modules=spec.lora.target_modules,
+        checkpointing=rank_checkpointing(spec.train, checkpointing),
+        optimizer_bytes_per_param=_OPTIMIZER_BYTES.get(spec.train.optimizer, 8),
+        kernels=[
+            k
+            for k in expected_kernels(spec.train.kernels, device_type, cfg.get("model_type"))
+            if k not in excluded_kernels(spec.train)
+        ],
+        compute_dtype_bytes=dtype_bytes,
+        on_gpu=device_type == "cuda",
+        shard_ranks=spec.train.num_gpus if spec.train.parallelism == "fsdp" else 1,  # per rank
+        varlen_attention=varlen_expected(cfg, device_type, spec.data.packing),
+    )
+
+
 def micro_batch_candidates(train) -> list[int]:
     """Micro-batches `auto` may choose: divisors of the effective batch, so accumulation keeps it exact;
     for a fixed micro-batch, 1 to 256 (what the planner reports as the largest that fits)."""
@@ -133,8 +168,6 @@ def largest_fitting_micro_batch(spec: PipelineSpec, cfg: dict, budget: Budget) -
     None without a GPU budget or when none fits. `slimtune plan` reports it and `slimtune init` proposes it."""
     if budget.gpu_total is None:
         return None
-    from slimtune.flows.stages import train_estimate
-
     device_type, ckpt = _device_type(spec, budget), spec.lora.gradient_checkpointing
     return largest_micro_batch(
         lambda mb: budget.gpu_fits(train_estimate(spec, cfg, mb, ckpt, device_type)), micro_batch_candidates(spec.train)
@@ -142,8 +175,6 @@ def largest_fitting_micro_batch(spec: PipelineSpec, cfg: dict, budget: Budget) -
 
 
 def _largest_seq(spec: PipelineSpec, cfg: dict, budget: Budget, micro_batch: int, device_type: str) -> int | None:
-    from slimtune.flows.stages import train_estimate
-
     limit = int(cfg.get("max_position_embeddings") or 131072)
     lo, hi = 0, limit // _SEQ_STEP
     while lo < hi:  # largest k with seq = k * step fitting; the estimate grows with seq
@@ -158,10 +189,8 @@ def _largest_seq(spec: PipelineSpec, cfg: dict, budget: Budget, micro_batch: int
 
 def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan], dict]:
     """Per-stage estimates with verdicts, and the largest micro-batch and sequence length that fit."""
-    from slimtune.flows.stages import train_estimate
-
     device_type = _device_type(spec, budget)
-    dtype_bytes = _DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
+    dtype_bytes = DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
     micro_batch = spec.train.micro_batch_size
     fits = budget.gpu_fits
     ckpt = spec.lora.gradient_checkpointing
@@ -176,7 +205,7 @@ def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan]
         stages["dequant_merge"] = estimate_merge(
             cfg,
             max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9),
-            output_dtype_bytes=_DTYPE_BYTES.get(spec.merge.output_dtype, 2),
+            output_dtype_bytes=DTYPE_BYTES.get(spec.merge.output_dtype, 2),
         )
         if spec.export.gguf:
             stages["gguf_convert_and_push"] = estimate_export(cfg, out_types=spec.export.gguf)

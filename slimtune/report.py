@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slimtune import atomic
+from slimtune.spec import STAGES
 
 if TYPE_CHECKING:
     from slimtune.memory.guard import GuardRecord
 
 log = logging.getLogger(__name__)
 _GIB = 1024**3
-_STAGES = ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push")
 # Stage table columns: (header, GuardRecord field, format); a column that is empty in every row is left out
 # (on a CPU run every GPU figure is None).
 _STAGE_COLUMNS = (
@@ -134,7 +134,7 @@ def render_markdown(summary: dict) -> str:
         "## Stage details",
         "",
     ]
-    for stage in _STAGES:
+    for stage in STAGES:
         if isinstance(summary.get(stage), dict):
             lines += _details(stage, summary[stage])
     lines += _data_sources(((summary.get("packed_sft") or {}).get("data") or {}).get("sources") or [])

@@ -18,6 +18,8 @@ from slimtune.gguf_types import GGUF_ALIASES, GGUF_LLAMA_CPP, GGUF_NATIVE
 from slimtune.tiny import BUILTIN_PREFIX, FAMILIES, is_builtin
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# The flow's six tasks in pipeline order (task names, memory records, report rows).
+STAGES = ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push")
 
 MAX_CRASH_RESUBMITS = 10
 # merge.maximum_memory_usage is in (0, this]: the rest is headroom for the CUDA context, allocator

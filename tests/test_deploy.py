@@ -17,8 +17,7 @@ from pathlib import Path
 import yaml
 from prefect_server import REPO, start_server, start_worker
 
-from slimtune.flows.stages import STAGES
-from slimtune.spec import parse_spec, recheck_paths
+from slimtune.spec import STAGES, parse_spec, recheck_paths
 
 _POOL = "gpu-hosts"
 _RUN_TIMEOUT_S = 240  # server-side: clone + imports ~30 s, the 4-step tiny pipeline ~90 s on 2 busy cores

@@ -103,7 +103,7 @@ def test_the_guard_estimates_fsdp_per_rank(tmp_path):
     Through the stage's own estimate, both with the kernels an FSDP rank keeps (it leaves lora_nf4 and
     host_embedding out; with them, and "unsloth" checkpointing, one GPU fits this step in 9.97 GiB).
     """
-    from slimtune.flows.stages import train_estimate
+    from slimtune.plan import train_estimate
     from slimtune.tasks.attach_lora import FSDP_EXCLUDED_KERNELS
 
     def estimate(num_gpus: int, parallelism: str, checkpointing: bool | str = True):
@@ -140,7 +140,7 @@ def test_fsdp_rank_beats_the_best_single_gpu_where_the_tables_are_small(tmp_path
     slimtune's best settings does not fit 8.4 GiB, an FSDP rank does, each by at least 0.4 GiB. With Qwen's 152k
     vocabulary the tables FSDP1 keeps gathered outweigh the sharded layers: the rank does not win there."""
     from benchmarks.common import MODEL_SHAPES
-    from slimtune.flows.stages import train_estimate
+    from slimtune.plan import train_estimate
     from slimtune.tasks.attach_lora import FSDP_EXCLUDED_KERNELS
 
     def allocator(cfg: dict, num_gpus: int, checkpointing: bool | str, kernels: list[str]) -> float:

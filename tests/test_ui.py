@@ -23,7 +23,7 @@ import pytest
 import yaml
 from prefect_server import REPO, start_server
 
-from slimtune.flows.stages import STAGES
+from slimtune.spec import STAGES
 
 _CHROMIUM = Path("/usr/bin/chromium")
 _NAME = "tiny-smoke-ui"

@@ -20,7 +20,6 @@ from prefect.cache_policies import NO_CACHE
 from slimtune import atomic
 from slimtune.charts import publish_memory_chart
 from slimtune.flows import ranks
-from slimtune.kernels.apply import expected_kernels
 from slimtune.memory import (
     Estimate,
     GuardRecord,
@@ -30,28 +29,22 @@ from slimtune.memory import (
     estimate_export,
     estimate_load_4bit,
     estimate_merge,
-    estimate_train,
     guarded,
     publish_task_report,
     retry_on_memory_pressure,
 )
 from slimtune.memory.guard import gpu_shortfalls
-from slimtune.plan import auto_micro_batch
+from slimtune.plan import DTYPE_BYTES, auto_micro_batch, train_estimate
 from slimtune.run_plan import RunPlan
-from slimtune.spec import PipelineSpec
-from slimtune.tasks.attach_lora import attach_lora, excluded_kernels, rank_checkpointing
+from slimtune.spec import STAGES, PipelineSpec
+from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.cleanup import cleanup
 from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 from slimtune.tasks.load_4bit import load_4bit
 from slimtune.tasks.packed_sft import packed_sft
-from slimtune.train.attention import varlen_expected
 
 log = logging.getLogger(__name__)
-STAGES = ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push")
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Optimizer state per trainable parameter: AdamW's two float32 moments, or two 8-bit ones.
-_OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2}
 
 
 def _save_record(spec: PipelineSpec):
@@ -108,34 +101,6 @@ def gpu_fits(est: Estimate, spec: PipelineSpec, plan: RunPlan) -> bool:
     if dev.type != "cuda":
         return True
     return not gpu_shortfalls(est, dev, spec.guard.gpu_memory_fraction)
-
-
-def train_estimate(
-    spec: PipelineSpec, cfg: dict, micro_batch: int, checkpointing: bool | str, device_type: str
-) -> Estimate:
-    """The packed_sft estimate for `spec` at `micro_batch`: with the kernels the run will apply and the
-    optimizer it uses (shared by the stage, the planner and `micro_batch_size: auto`). `device_type`
-    may be one this machine lacks (the planner's "cuda": 16-bit compute unless the spec says float32)."""
-    # "auto" compute dtype: bf16 or fp16 on a GPU, fp32 on the CPU (`slimtune.device.resolve_compute_dtype`)
-    dtype_bytes = _DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
-    return estimate_train(
-        cfg,
-        micro_batch=micro_batch,
-        seq_len=spec.data.max_seq_length,
-        lora_r=spec.lora.r,
-        target_modules=spec.lora.target_modules,
-        checkpointing=rank_checkpointing(spec.train, checkpointing),
-        optimizer_bytes_per_param=_OPTIMIZER_BYTES.get(spec.train.optimizer, 8),
-        kernels=[
-            k
-            for k in expected_kernels(spec.train.kernels, device_type, cfg.get("model_type"))
-            if k not in excluded_kernels(spec.train)
-        ],
-        compute_dtype_bytes=dtype_bytes,
-        on_gpu=device_type == "cuda",
-        shard_ranks=spec.train.num_gpus if spec.train.parallelism == "fsdp" else 1,  # per rank
-        varlen_attention=varlen_expected(cfg, device_type, spec.data.packing),
-    )
 
 
 @_task("load_4bit", "load_4bit [{spec.name}]")
@@ -210,7 +175,7 @@ def dequant_merge_task(spec: PipelineSpec, plan: RunPlan, adapter_dir: str) -> d
     est = estimate_merge(
         plan.config,
         max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9),
-        output_dtype_bytes=_DTYPE_BYTES.get(spec.merge.output_dtype, 2),
+        output_dtype_bytes=DTYPE_BYTES.get(spec.merge.output_dtype, 2),
     )
     with _guard("dequant_merge", spec, plan, est, shift.notes):
         return dequant_merge(spec, adapter_dir, maximum_memory_usage=shift.maximum_memory_usage, plan=plan).to_dict()
