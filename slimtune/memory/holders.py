@@ -120,10 +120,11 @@ def live_tensors(device_type: str, limit: int = 3) -> tuple[int, list[str]]:
         if issubclass(type(obj), torch.Tensor) and obj.device.type == device_type:  # type(): no lazy proxies
             try:
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # sparse tensors have no plain storage
+                address, nbytes = storage.data_ptr(), storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # sparse, fake (torch.compile's tracing) or meta
                 continue
-            if storage.nbytes() > storages.get(storage.data_ptr(), (-1, None))[0]:
-                storages[storage.data_ptr()] = (storage.nbytes(), weakref.ref(obj))
+            if nbytes > storages.get(address, (-1, None))[0]:
+                storages[address] = (nbytes, weakref.ref(obj))
     obj = storage = None
     total = sum(n for n, _ in storages.values())
     lines = []
