@@ -127,7 +127,7 @@ def train_estimate(
         ],
         compute_dtype_bytes=dtype_bytes,
         on_gpu=device_type == "cuda",
-        shard_ranks=spec.train.num_gpus if spec.train.parallelism == "fsdp" else 1,  # per rank
+        shard_ranks=spec.train.num_gpus if spec.train.sharded else 1,  # per rank
         varlen_attention=varlen_expected(cfg, device_type, spec.data.packing),
     )
 

@@ -276,6 +276,11 @@ class TrainSpec(_Section):
         "WANDB_MODE is set).",
     )
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP-QLoRA: `parallelism: fsdp` on more than one GPU (one GPU trains unsharded whatever it says)."""
+        return self.num_gpus > 1 and self.parallelism == "fsdp"
+
     @model_validator(mode="after")
     def _fsdp(self) -> TrainSpec:
         if self.parallelism == "fsdp" and self.optimizer == "paged_adamw_8bit":

@@ -31,13 +31,9 @@ FSDP_EXCLUDED_KERNELS = {
 }
 
 
-def _fsdp(train: TrainSpec) -> bool:
-    return train.num_gpus > 1 and train.parallelism == "fsdp"
-
-
 def excluded_kernels(train: TrainSpec) -> dict[str, str]:
     """Kernels this run leaves out, with why (attach_lora applies, the estimate assumes the same)."""
-    if _fsdp(train):
+    if train.sharded:
         return FSDP_EXCLUDED_KERNELS
     return MULTI_GPU_EXCLUDED_KERNELS if train.num_gpus > 1 else {}
 
@@ -51,7 +47,7 @@ def rank_checkpointing(train: TrainSpec, mode: bool | str) -> bool | str:
     offloaded checkpointing is not offered under FSDP yet. Standard checkpointing recomputes through the
     module calls inside the layer's FSDP unit, as Answer.AI's fsdp_qlora does.
     """
-    if _fsdp(train) and mode == "unsloth":
+    if train.sharded and mode == "unsloth":
         return True
     return mode
 
@@ -115,7 +111,7 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
     )
     torch.manual_seed(spec.train.seed)  # LoRA A is randomly initialised: same spec, same adapter
     peft_model = get_peft_model(model, config)
-    if _fsdp(spec.train):
+    if spec.train.sharded:
         # peft puts each LoRA weight beside its base weight, which an FSDP rank's load left on the host
         # (load_4bit.loads_on_host): onto the rank's device with the rest, where the trainer looks for it.
         with torch.no_grad():

@@ -86,7 +86,7 @@ def loads_on_host(spec: PipelineSpec, device: torch.device) -> bool:
     Loaded onto the GPU, every rank would hold the whole NF4 model before FSDP shards it: more than one GPU
     running the same step alone (14B: 11.2 vs 10.0 GiB), so sharding could never fit a model one GPU cannot.
     """
-    return spec.train.num_gpus > 1 and spec.train.parallelism == "fsdp" and device.type == "cuda"
+    return spec.train.sharded and device.type == "cuda"
 
 
 def _place_for_fsdp(model: torch.nn.Module, device: torch.device) -> None:
@@ -123,7 +123,7 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
 
     plan = plan_for(spec, plan)
     model_dir, device, dtype = Path(plan.model_dir), plan.torch_device, plan.dtype
-    fsdp = spec.train.num_gpus > 1 and spec.train.parallelism == "fsdp"
+    fsdp = spec.train.sharded
     quant = TRAINING_NF4.bnb_config(dtype, quant_storage=dtype if fsdp else None)
     on_host = loads_on_host(spec, device)
     load_device = torch.device("cpu") if on_host else device

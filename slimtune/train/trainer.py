@@ -271,7 +271,7 @@ def train_adapter(
     precision = resolve_precision(train.precision, device)
     optim = resolve_optimizer(train.optimizer, device)
     ckpt_root = run_dir / "checkpoints"
-    fsdp = train.num_gpus > 1 and train.parallelism == "fsdp"
+    fsdp = train.sharded
     if fsdp:
         keep_rope_fp32(model)  # FSDP's mixed precision would cast RoPE's inv_freq buffer to bf16
     args = _arguments(
