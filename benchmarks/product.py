@@ -19,6 +19,7 @@ import random
 import statistics
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,33 +90,39 @@ def _spec(root: Path, batch: int, seq: int, steps: int, name: str, device: str):
     )
 
 
-def product_worker(
-    model_key: str, config: str, batches: list[int], seq: int, warmup: int, steps: int, device: str, scratch: Path, emit
-) -> None:
-    """Build the random NF4 model, attach LoRA as the product does, and time `packed_sft` per micro-batch."""
+@dataclass
+class ProductSetup:
+    """A random NF4 model with LoRA attached as the product attaches it, and the chat data prepared."""
+
+    root: Path
+    handle: str
+    lora: Any  # attach_lora's result: kernels applied and the checkpointing handle
+    examples: str
+    plan: Any  # the RunPlan the flow would resolve
+    setup: dict[str, Any]
+
+
+def prepare_product(
+    model_key: str, max_batch: int, seq: int, total_steps: int, device: str, scratch: Path
+) -> ProductSetup:
+    """Build the random NF4 model, attach LoRA as `attach_lora` does and prepare the chat data for `packed_sft`."""
     from slimtune import registry
     from slimtune.device import resolve_compute_dtype
     from slimtune.run_plan import RunPlan
     from slimtune.tasks.attach_lora import attach_lora
-    from slimtune.tasks.packed_sft import packed_sft, prepare_data
+    from slimtune.tasks.packed_sft import prepare_data
     from slimtune.tiny import build_tokenizer
 
-    if config == "product_sdpa":
-        import slimtune.train.trainer as trainer_module
-
-        trainer_module.prefer_varlen = lambda model, device: False  # this worker process only: the A/B
     root = Path(scratch) / f"product-{model_key}"
     (root / "model").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    shape = MODEL_SHAPES[model_key]
-    model = build_random_model(shape, device)
+    model = build_random_model(MODEL_SHAPES[model_key], device)
     model.config.save_pretrained(root / "model")  # the spec names a model folder: config and tokenizer only
     build_tokenizer().save_pretrained(root / "model")
     quantize_nf4_(model)
     synchronize(device)
-    setup = {"kind": "setup", "model": model_key, "configs": [config], "build_s": round(time.perf_counter() - t0, 2)}
-    total_steps = warmup + steps
-    write_chat_data(root / "chat.jsonl", tokens_needed=int(1.3 * max(batches) * seq * total_steps))
+    setup = {"kind": "setup", "model": model_key, "build_s": round(time.perf_counter() - t0, 2)}
+    write_chat_data(root / "chat.jsonl", tokens_needed=int(1.3 * max_batch * seq * total_steps))
     # The plan the flow would resolve; built here because the folder holds no weights (the model is in memory).
     plan = RunPlan(
         model_dir=str(root / "model"),
@@ -128,25 +135,45 @@ def product_worker(
     del model
     lora = attach_lora(_spec(root, 1, seq, total_steps, "setup", device), handle)
     setup.update(kernels=lora.kernels, kernels_skipped=lora.kernels_skipped)
-    emit(setup)
     examples = prepare_data(_spec(root, 1, seq, total_steps, "data", device), str(root / "model"))
+    return ProductSetup(root, handle, lora, examples, plan, setup)
+
+
+def train_product(ps: ProductSetup, name: str, batch: int, seq: int, total_steps: int, device: str, callbacks=None):
+    """`packed_sft` at micro-batch `batch` (accumulation 1, "unsloth" checkpointing); returns its TrainReport."""
+    from slimtune.tasks.packed_sft import packed_sft
+
+    return packed_sft(
+        _spec(ps.root, batch, seq, total_steps, name, device),
+        ps.handle,
+        ps.lora.checkpointing_handle,
+        ps.examples,
+        micro_batch_size=batch,
+        gradient_accumulation_steps=1,
+        gradient_checkpointing="unsloth",
+        plan=ps.plan,
+        callbacks=callbacks,
+    )
+
+
+def product_worker(
+    model_key: str, config: str, batches: list[int], seq: int, warmup: int, steps: int, device: str, scratch: Path, emit
+) -> None:
+    """Build the random NF4 model, attach LoRA as the product does, and time `packed_sft` per micro-batch."""
+    if config == "product_sdpa":
+        import slimtune.train.trainer as trainer_module
+
+        trainer_module.prefer_varlen = lambda model, device: False  # this worker process only: the A/B
+    total_steps = warmup + steps
+    ps = prepare_product(model_key, max(batches), seq, total_steps, device, scratch)
+    emit(ps.setup | {"configs": [config]})
     for b in batches:
-        spec = _spec(root, b, seq, total_steps, f"{config}-{model_key}-b{b}", device)
-        row = make_row(model_key, config, b, seq, "ok", warmup=warmup, notes={"kernels": lora.kernels})
+        row = make_row(model_key, config, b, seq, "ok", warmup=warmup, notes={"kernels": ps.lora.kernels})
         rss, mem = ProcessRssSampler(), GpuPeak(device)
         try:
             free_memory(device)
             with rss, mem:
-                report = packed_sft(
-                    spec,
-                    handle,
-                    lora.checkpointing_handle,
-                    examples,
-                    micro_batch_size=b,
-                    gradient_accumulation_steps=1,
-                    gradient_checkpointing="unsloth",
-                    plan=plan,
-                )
+                report = train_product(ps, f"{config}-{model_key}-b{b}", b, seq, total_steps, device)
             row.update(_report_stats(report, warmup))
         except torch.OutOfMemoryError as e:
             row.update(status="oom", error=error_text(e))

@@ -5,9 +5,11 @@ The speed table says *how fast*; this says *why*. For each config of `runner.py`
 step as `measure_training` (warm-up first), then profiles a few steps with torch.profiler and reports:
 wall time per step, GPU busy time per step (sum of kernel and copy time; the rest of the wall is the
 GPU waiting for the host), busy time by category (matmul, attention, slimtune Triton kernels,
-bitsandbytes, element-wise, copies), and the kernels that take the most time.
+bitsandbytes, element-wise, copies), the kernels that take the most time and the host ops that take
+the most CPU time. Config `product` profiles the product's own path instead of the hand loop:
+attach_lora + packed_sft on chat data (benchmarks/product.py), steps after the warm-up.
 
-    python3 benchmarks/profile_step.py --model 8b --batch 4 --configs hf_gc,ours --out "$OUT"
+    python3 benchmarks/profile_step.py --model 8b --batch 4 --configs hf_gc,ours,product --out "$OUT"
 Writes OUT/profile-<model>-b<batch>.json and prints the tables.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -22,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from transformers import TrainerCallback
 
 from benchmarks.common import (
     MODEL_SHAPES,
@@ -122,35 +126,87 @@ def profile_config(model: torch.nn.Module, config: str, batch: int, seq: int, wa
                 step()
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / steps
-        peak = torch.cuda.max_memory_allocated()
-        kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                k = kernels[ev.name]
-                k[0] += ev.device_time / 1e6 / steps  # us -> s, per step
-                k[1] += 1 / steps
-        busy = sum(t for t, _ in kernels.values())
-        cats: dict[str, float] = defaultdict(float)
-        for name, (t, _) in kernels.items():
-            cats[_category(name)] += t
-        top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
         opt.state.clear()
-        return {
-            "config": config,
-            "batch": batch,
-            "seq": seq,
-            "wall_s": round(wall, 4),
-            "busy_s": round(busy, 4),
-            "idle_s": round(wall - busy, 4),
-            "tokens_per_s": round(batch * seq / wall, 1),
-            "peak_allocated_gib": round(peak / 2**30, 2),
-            "categories_s": {k: round(v, 4) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top_kernels": [{"name": n[:160], "s": round(t, 5), "calls": round(c, 1)} for n, (t, c) in top],
-            "notes": notes,
-        }
+        return summarize(prof, steps, wall, torch.cuda.max_memory_allocated(), config, batch, seq, notes)
     finally:
         undo()
         free_memory("cuda")
+
+
+def summarize(prof, steps: int, wall: float, peak: int, config: str, batch: int, seq: int, notes: dict) -> dict:
+    """Per step: wall, GPU busy (kernel and copy time) and idle, busy by category, top kernels, and the host ops
+    that took the most CPU time (where a host-bound step goes)."""
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[ev.name]
+            k[0] += ev.device_time / 1e6 / steps  # us -> s, per step
+            k[1] += 1 / steps
+    busy = sum(t for t, _ in kernels.values())
+    cats: dict[str, float] = defaultdict(float)
+    for name, (t, _) in kernels.items():
+        cats[_category(name)] += t
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
+    host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)[
+        :25
+    ]
+    return {
+        "config": config,
+        "batch": batch,
+        "seq": seq,
+        "wall_s": round(wall, 4),
+        "busy_s": round(busy, 4),
+        "idle_s": round(wall - busy, 4),
+        "tokens_per_s": round(batch * seq / wall, 1),
+        "peak_allocated_gib": round(peak / 2**30, 2),
+        "kernels_per_step": round(sum(c for _, c in kernels.values())),
+        "categories_s": {k: round(v, 4) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n[:160], "s": round(t, 5), "calls": round(c, 1)} for n, (t, c) in top],
+        "top_host_ops": [
+            {"name": e.key[:160], "self_cpu_s": round(e.self_cpu_time_total / 1e6 / steps, 5), "calls": e.count / steps}
+            for e in host
+        ],
+        "notes": notes,
+    }
+
+
+class _StepProfiler(TrainerCallback):
+    """A Trainer callback that profiles optimizer steps warmup+1 .. warmup+steps of the product's `packed_sft`."""
+
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.steps = warmup, steps
+        super().__init__()
+        self.prof: torch.profiler.profile | None = None
+        self.wall = 0.0
+        self.peak = 0
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.warmup and self.prof is None:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if self.prof is not None and state.global_step == self.warmup + self.steps:
+            torch.cuda.synchronize()
+            self.wall = (time.perf_counter() - self.t0) / self.steps
+            self.peak = torch.cuda.max_memory_allocated()
+            self.prof.__exit__(None, None, None)
+
+
+def profile_product(model_key: str, batch: int, seq: int, warmup: int, steps: int, scratch: Path) -> dict:
+    """The product's training path (attach_lora + packed_sft: Trainer, packing, collator, callbacks, kernels)."""
+    from benchmarks.product import prepare_product, train_product
+
+    total = warmup + steps + 1  # one step after the window: its log line's host sync is not profiled
+    ps = prepare_product(model_key, batch, seq, total, "cuda", scratch)
+    cb = _StepProfiler(warmup, steps)
+    report = train_product(ps, f"profile-{model_key}-b{batch}", batch, seq, total, "cuda", callbacks=[cb])
+    notes = {"kernels": ps.lora.kernels, "batching": report.batching, "padding_waste": round(report.padding_waste, 4)}
+    return summarize(cb.prof, steps, cb.wall, cb.peak, "product", batch, seq, notes)
 
 
 def _print(r: dict) -> None:
@@ -159,8 +215,12 @@ def _print(r: dict) -> None:
         f"idle {r['idle_s']:.4f}, {r['tokens_per_s']:.0f} tok/s, peak {r['peak_allocated_gib']} GiB"
     )
     print("   " + ", ".join(f"{k} {v:.4f}" for k, v in r["categories_s"].items()))
+    print(f"   {r['kernels_per_step']} kernels per step; top kernels:")
     for k in r["top_kernels"][:18]:
         print(f"   {k['s']:.5f} s  x{k['calls']:<6} {k['name'][:110]}")
+    print("   host ops by self CPU time per step:")
+    for k in r["top_host_ops"][:18]:
+        print(f"   {k['self_cpu_s']:.5f} s  x{k['calls']:<8.1f} {k['name'][:110]}")
 
 
 def main() -> int:
@@ -175,10 +235,20 @@ def main() -> int:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("profiling needs a CUDA GPU")
-    model = attach_lora(_quantized(args.model))
+    configs = args.configs.split(",")
+    harness = [c for c in configs if c != "product"]
     results = []
-    for config in args.configs.split(","):
-        r = profile_config(model, config, args.batch, args.seq, args.warmup, args.steps)
+    if harness:
+        model = attach_lora(_quantized(args.model))
+        for config in harness:
+            r = profile_config(model, config, args.batch, args.seq, args.warmup, args.steps)
+            _print(r)
+            results.append(r)
+        del model
+        free_memory("cuda")
+    if "product" in configs:  # last: it owns its own model (the product attaches LoRA its way)
+        with tempfile.TemporaryDirectory() as scratch:
+            r = profile_product(args.model, args.batch, args.seq, args.warmup, args.steps, Path(scratch))
         _print(r)
         results.append(r)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -40,11 +40,11 @@ class _LoRANF4Fn(torch.autograd.Function):
         # in place, which autograd forbids on a view created inside a custom Function
         y = torch.empty(out_shape, dtype=dtype, device=x.device)
         y2 = y.view(-1, b.shape[0])
-        b_scaled = b.t() * scale  # [r, out]: scaling the small factor, not the [tokens, out] product
+        # `scale` rides in the GEMM's alpha: no separate pass to scale a factor or a product
         if bias is None:
-            torch.mm(xa, b_scaled, out=y2)
+            y2.addmm_(xa, b.t(), beta=0, alpha=scale)  # beta=0: y2's uninitialized values are never read
         else:
-            torch.addmm(bias.to(dtype), xa, b_scaled, out=y2)
+            torch.addmm(bias.to(dtype), xa, b.t(), alpha=scale, out=y2)
         y2.addmm_(x2, dequantize_nf4_scratch(packed, quant_state, dtype).t())
         return y
 
@@ -54,14 +54,14 @@ class _LoRANF4Fn(torch.autograd.Function):
         scale, dtype = ctx.scale, x2.dtype
         dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)
         a, b = lora_a.to(dtype), lora_b.to(dtype)
-        dyb = dy2 @ b  # [tokens, r]
+        dyb = dy2.new_empty((dy2.shape[0], b.shape[1])).addmm_(dy2, b, beta=0, alpha=scale)  # scale * dy B: [tokens, r]
         d_a = d_b = dx = None
         if ctx.needs_input_grad[5]:
-            d_b = (dy2.t() @ xa).mul_(scale).to(lora_b.dtype)
+            d_b = xa.new_empty(b.shape).addmm_(dy2.t(), xa, beta=0, alpha=scale).to(lora_b.dtype)
         if ctx.needs_input_grad[4]:
-            d_a = (dyb.t() @ x2).mul_(scale).to(lora_a.dtype)
+            d_a = (dyb.t() @ x2).to(lora_a.dtype)
         if ctx.needs_input_grad[0]:
-            dx = dyb @ (a * scale)
+            dx = dyb @ a
             dx.addmm_(dy2, dequantize_nf4_scratch(packed, ctx.quant_state, dtype))
             dx = dx.view(ctx.x_shape)
         return dx, None, None, None, d_a, d_b, None, None

@@ -7,9 +7,11 @@ allocation per layer.
 
 Exactness: bitsandbytes computes each value as `fp32(code[nibble] * absmax[block])` rounded once to
 the output dtype, and, with double quantization, `absmax = fp32(code2[q] * absmax2[q_block])`, then
-`+ offset` as a separate operation. The GPU compiler fuses `a * b + c` into one FMA (one rounding
-instead of two), so the absmax product is stored by its own kernel and the offset is added after it
-is loaded back: the same two roundings bitsandbytes performs.
+`+ offset` as a separate operation. The GPU compiler would fuse `a * b + c` into one FMA (one rounding
+instead of two), so the kernel is compiled with `enable_fp_fusion=False`: the same two roundings
+bitsandbytes performs, in one launch. (It used to be two kernels, the absmax product stored by the first:
+a second Triton launch per dequantization, 637 per step of an 8B model at batch 1, on a step whose
+GPU is idle most of the time waiting for the host: benchmarks/results/profiles/profile-8b-b1-h100-2026-11-23.json.)
 
 No host sync: the offset is a 0-d tensor on the GPU and the kernel loads it there. Reading it on the
 host (`float(offset)`) once cost a device sync per dequantization, 21 per decoder layer per training
@@ -31,24 +33,18 @@ _BYTES_PER_PROGRAM_INTERPRETED = 16384  # the interpreter runs programs one by o
 
 
 @triton.jit
-def _absmax_kernel(q_ptr, code2_ptr, absmax2_ptr, out_ptr, n, BLOCK2: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
-    scale = tl.load(code2_ptr + q, mask=mask, other=0.0) * tl.load(absmax2_ptr + offs // BLOCK2, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, scale, mask=mask)
-
-
-@triton.jit
 def _nf4_kernel(
     packed_ptr,
     absmax_ptr,
     code_ptr,
     out_ptr,
     n_out,
+    code2_ptr,
+    absmax2_ptr,
     offset_ptr,
     BLOCKSIZE: tl.constexpr,
     NESTED: tl.constexpr,
+    BLOCK2: tl.constexpr,
     BF16_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -56,9 +52,13 @@ def _nf4_kernel(
     byte = pid * BLOCK + tl.arange(0, BLOCK)
     bmask = byte * 2 < n_out
     packed = tl.load(packed_ptr + byte, mask=bmask, other=0).to(tl.int32)
-    scale = tl.load(absmax_ptr + (byte * 2) // BLOCKSIZE, mask=bmask, other=0.0)
-    if NESTED:
-        scale = scale + tl.load(offset_ptr)  # loaded, not fused: bitsandbytes rounds the product first
+    block = (byte * 2) // BLOCKSIZE
+    if NESTED:  # absmax itself is 8-bit: code2[q] * absmax2[block of blocks], then + offset (two roundings)
+        q = tl.load(absmax_ptr + block, mask=bmask, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + q, mask=bmask, other=0.0) * tl.load(absmax2_ptr + block // BLOCK2, mask=bmask)
+        scale = scale + tl.load(offset_ptr)
+    else:
+        scale = tl.load(absmax_ptr + block, mask=bmask, other=0.0)
     hi = tl.load(code_ptr + (packed >> 4)) * scale  # high nibble holds the even element
     lo = tl.load(code_ptr + (packed & 15)) * scale
     vals = tl.reshape(tl.join(hi, lo), [2 * BLOCK])
@@ -68,23 +68,6 @@ def _nf4_kernel(
         vals = vals.to(out_ptr.dtype.element_ty)
     out_offs = pid * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
     tl.store(out_ptr + out_offs, vals, mask=out_offs < n_out)
-
-
-def _absmax_fp32(quant_state) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Per-block fp32 absmax (before the offset), the offset as a device tensor, and whether it was
-    double-quantized (without, the offset is a placeholder the kernel never reads)."""
-    if not getattr(quant_state, "nested", False):
-        absmax = quant_state.absmax.float()
-        return absmax, absmax, False
-    q = quant_state.absmax
-    state2 = quant_state.state2
-    out = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
-    block = 1024
-    _absmax_kernel[(triton.cdiv(q.numel(), block),)](
-        q, state2.code.to(q.device), state2.absmax, out, q.numel(), BLOCK2=state2.blocksize, BLOCK=block, num_warps=4
-    )
-    offset = torch.as_tensor(quant_state.offset, dtype=torch.float32, device=q.device)
-    return out, offset, True
 
 
 def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,7 +86,6 @@ def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None =
         out = torch.empty(shape, dtype=quant_state.dtype, device=packed.device)
     elif tuple(out.shape) != shape or not out.is_contiguous():
         raise ValueError(f"dequantize_nf4: out must be contiguous with shape {shape}, got {tuple(out.shape)}")
-    absmax, offset, nested = _absmax_fp32(quant_state)
     packed = packed.reshape(-1)
     if packed.dtype != torch.uint8:
         packed = packed.view(torch.uint8)
@@ -111,18 +93,24 @@ def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None =
     per_program = _BYTES_PER_PROGRAM if packed.device.type == "cuda" else _BYTES_PER_PROGRAM_INTERPRETED
     grid = (triton.cdiv(n_out, 2 * per_program),)
     bf16 = out.dtype == torch.bfloat16
+    state2 = quant_state.state2 if getattr(quant_state, "nested", False) else None
+    absmax = quant_state.absmax
     _nf4_kernel[grid](
         packed,
-        absmax,
+        absmax if state2 is not None else absmax.float(),
         quant_state.code.to(packed.device, torch.float32),
         out.view(torch.int16) if bf16 else out,
         n_out,
-        offset,
+        absmax if state2 is None else state2.code.to(packed.device, torch.float32),
+        absmax if state2 is None else state2.absmax,
+        absmax if state2 is None else torch.as_tensor(quant_state.offset, dtype=torch.float32, device=packed.device),
         BLOCKSIZE=quant_state.blocksize,
-        NESTED=nested,
+        NESTED=state2 is not None,
+        BLOCK2=state2.blocksize if state2 is not None else 1,
         BF16_BITS=bf16,
         BLOCK=per_program,
         num_warps=4,
+        enable_fp_fusion=False,  # a * b + c as one FMA would round once where bitsandbytes rounds twice
     )
     return out
 

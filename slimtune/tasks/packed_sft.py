@@ -46,11 +46,13 @@ def packed_sft(
     gradient_accumulation_steps: int,
     gradient_checkpointing: bool | str,
     plan: RunPlan | None = None,
+    callbacks: list | None = None,
 ) -> TrainReport:
     """Train the LoRA adapter; micro-batch, accumulation and checkpointing may be downshifted by the guard.
 
     Args:
         plan: the flow's run plan (the adapter card names the base model's license); resolved when not given.
+        callbacks: extra Trainer callbacks (benchmarks/profile_step.py profiles the product's steps with one).
     """
     model = registry.get(model_handle)
     current = registry.get(checkpointing_handle)
@@ -75,6 +77,7 @@ def packed_sft(
         spec.run_dir(),
         micro_batch_size=micro_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps,
+        callbacks=callbacks,
     )
     describe_adapter(spec, report, plan_for(spec, plan))
     return report
