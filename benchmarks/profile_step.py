@@ -16,6 +16,10 @@ Writes OUT/profile-<model>-b<batch>.json and prints the tables.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
+import statistics
 import sys
 import tempfile
 import time
@@ -171,12 +175,16 @@ def summarize(prof, steps: int, wall: float, peak: int, config: str, batch: int,
 
 
 class _StepProfiler(TrainerCallback):
-    """A Trainer callback that profiles optimizer steps warmup+1 .. warmup+steps of the product's `packed_sft`."""
+    """A Trainer callback that profiles whole optimizer-step cycles warmup+1 .. warmup+steps of `packed_sft`:
+    from one step's start to the next's, so the log line, the callbacks and the next batch's fetch count too.
+    With `python_stats`, cProfile records the same window (where the host's time goes, by Python function)."""
 
-    def __init__(self, warmup: int, steps: int) -> None:
-        self.warmup, self.steps = warmup, steps
+    def __init__(self, warmup: int, steps: int, python_stats: bool = False) -> None:
         super().__init__()
+        self.warmup, self.steps = warmup, steps
         self.prof: torch.profiler.profile | None = None
+        self.python = cProfile.Profile() if python_stats else None
+        self.t0: float | None = None
         self.wall = 0.0
         self.peak = 0
 
@@ -185,27 +193,80 @@ class _StepProfiler(TrainerCallback):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            self.prof = torch.profiler.profile(activities=acts)
-            self.prof.__enter__()
+            self.prof = torch.profiler.profile(activities=acts) if self.python is None else None
+            if self.prof is not None:
+                self.prof.__enter__()
+            else:
+                self.python.enable()
             self.t0 = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs) -> None:
-        if self.prof is not None and state.global_step == self.warmup + self.steps:
+        elif state.global_step == self.warmup + self.steps and self.t0 is not None and not self.wall:
             torch.cuda.synchronize()
             self.wall = (time.perf_counter() - self.t0) / self.steps
             self.peak = torch.cuda.max_memory_allocated()
-            self.prof.__exit__(None, None, None)
+            if self.prof is not None:
+                self.prof.__exit__(None, None, None)
+            else:
+                self.python.disable()
 
 
-def profile_product(model_key: str, batch: int, seq: int, warmup: int, steps: int, scratch: Path) -> dict:
+class _StepTimes(TrainerCallback):
+    """Host timestamps of each step's start and end (no profiler): the median time inside the step (forward,
+    backward, clipping, optimizer) and between one step's end and the next's start (log line with its host
+    sync, callbacks, the next batch's fetch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.begins: list[float] = []
+        self.ends: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        self.begins.append(time.perf_counter())
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.ends.append(time.perf_counter())
+
+    def summary(self, warmup: int) -> dict:
+        inside = [e - b for b, e in zip(self.begins, self.ends)][warmup:]
+        between = [b - e for e, b in zip(self.ends, self.begins[1:])][warmup:]
+        cycle = [b2 - b1 for b1, b2 in zip(self.begins, self.begins[1:])][warmup:]
+        return {
+            "step_s": round(statistics.median(cycle), 4),
+            "inside_step_s": round(statistics.median(inside), 4),
+            "between_steps_s": round(statistics.median(between), 4),
+            "cycles_s": [round(c, 4) for c in cycle],
+        }
+
+
+def profile_product(
+    model_key: str, batch: int, seq: int, warmup: int, steps: int, scratch: Path, python_stats: bool = False
+) -> dict:
     """The product's training path (attach_lora + packed_sft: Trainer, packing, collator, callbacks, kernels)."""
     from benchmarks.product import prepare_product, train_product
 
-    total = warmup + steps + 1  # one step after the window: its log line's host sync is not profiled
+    total = warmup + steps + 1  # the window ends where step warmup+steps+1 begins
     ps = prepare_product(model_key, batch, seq, total, "cuda", scratch)
-    cb = _StepProfiler(warmup, steps)
-    report = train_product(ps, f"profile-{model_key}-b{batch}", batch, seq, total, "cuda", callbacks=[cb])
-    notes = {"kernels": ps.lora.kernels, "batching": report.batching, "padding_waste": round(report.padding_waste, 4)}
+    times = _StepTimes()
+    name = f"profile-{model_key}-b{batch}"
+    train_product(ps, f"{name}-times", batch, seq, total, "cuda", callbacks=[times])  # unprofiled first
+    cb = _StepProfiler(warmup, steps, python_stats)
+    report = train_product(ps, name, batch, seq, total, "cuda", callbacks=[cb])
+    notes = {
+        "kernels": ps.lora.kernels,
+        "batching": report.batching,
+        "padding_waste": round(report.padding_waste, 4),
+        "unprofiled": times.summary(warmup),
+    }
+    if python_stats:  # cProfile instead of torch.profiler: wall per step and the host's Python functions
+        out = io.StringIO()
+        pstats.Stats(cb.python, stream=out).sort_stats("cumulative").print_stats(45)
+        return {
+            "config": "product",
+            "batch": batch,
+            "seq": seq,
+            "wall_s": round(cb.wall, 4),
+            "notes": notes,
+            "python_cumulative": out.getvalue(),
+        }
     return summarize(cb.prof, steps, cb.wall, cb.peak, "product", batch, seq, notes)
 
 
@@ -215,6 +276,7 @@ def _print(r: dict) -> None:
         f"idle {r['idle_s']:.4f}, {r['tokens_per_s']:.0f} tok/s, peak {r['peak_allocated_gib']} GiB"
     )
     print("   " + ", ".join(f"{k} {v:.4f}" for k, v in r["categories_s"].items()))
+    print(f"   unprofiled: {r['notes'].get('unprofiled')}")
     print(f"   {r['kernels_per_step']} kernels per step; top kernels:")
     for k in r["top_kernels"][:18]:
         print(f"   {k['s']:.5f} s  x{k['calls']:<6} {k['name'][:110]}")
@@ -232,6 +294,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--python-stats", action="store_true", help="product: cProfile the steps instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("profiling needs a CUDA GPU")
@@ -248,8 +311,13 @@ def main() -> int:
         free_memory("cuda")
     if "product" in configs:  # last: it owns its own model (the product attaches LoRA its way)
         with tempfile.TemporaryDirectory() as scratch:
-            r = profile_product(args.model, args.batch, args.seq, args.warmup, args.steps, Path(scratch))
-        _print(r)
+            r = profile_product(
+                args.model, args.batch, args.seq, args.warmup, args.steps, Path(scratch), args.python_stats
+            )
+        if args.python_stats:
+            print(r["python_cumulative"], f"unprofiled: {r['notes']['unprofiled']}", sep="\n")
+        else:
+            _print(r)
         results.append(r)
     args.out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(
