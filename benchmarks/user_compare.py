@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -215,8 +216,12 @@ def _base_row(args: argparse.Namespace, tool: str, proc: dict[str, Any]) -> dict
 
 
 def _check_steps(row: dict[str, Any], steps: int) -> dict[str, Any]:
+    """A run that trained another number of steps, or to a non-finite loss, is not a figure to compare."""
+    losses = [e["loss"] for e in row.get("losses") or []]
     if row["status"] == "ok" and row.get("steps") != steps:
         row.update(status="error", error=f"trained {row.get('steps')} optimizer steps, not {steps}")
+    elif row["status"] == "ok" and not all(math.isfinite(x) for x in losses):
+        row.update(status="error", error=f"non-finite loss: {losses}")
     return row
 
 

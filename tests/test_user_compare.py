@@ -125,3 +125,18 @@ def test_render_has_a_line_per_tool_with_its_status() -> None:
     assert "16,106" in table[0] and "2.1 (2.4)" in table[0] and "11.76 → 11.2" in table[0]
     assert "error: RuntimeError: a / b second line" in table[1]
     assert "Llama-3.2-1B" in text and "python3 x --out $OUT" in text
+
+
+@pytest.mark.parametrize(
+    ("steps", "losses", "error"),
+    [
+        (20, [11.7, 11.5], None),
+        (19, [11.7, 11.5], "trained 19 optimizer steps, not 20"),
+        (20, [11.7, float("nan")], "non-finite"),
+    ],
+)
+def test_a_row_is_ok_only_with_every_step_and_a_finite_loss(steps: int, losses: list[float], error: str | None) -> None:
+    row = {"status": "ok", "steps": steps, "losses": [{"step": i + 1, "loss": x} for i, x in enumerate(losses)]}
+    row = user_compare._check_steps(row, 20)
+    assert row["status"] == ("ok" if error is None else "error")
+    assert error is None or error in row["error"]
