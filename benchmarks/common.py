@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -627,6 +628,13 @@ def environment(device: str) -> dict[str, Any]:
     else:
         env.update(gpu=None, cpu=platform.machine())
     return env
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    """The command as typed (`python3 SCRIPT ARGS`), with the device tool's output folder written as $OUT."""
+    out_env = os.environ.get("OUT")
+    words = ["python3", script, *[("$OUT" if out_env and a == out_env else a) for a in argv]]
+    return " ".join(w if w == "$OUT" else shlex.quote(w) for w in words)
 
 
 def make_row(model_key: str, config: str, batch: int, seq: int, status: str, **extra: Any) -> dict[str, Any]:

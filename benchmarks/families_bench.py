@@ -86,6 +86,23 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def run_stages(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per stage of a `slimtune run`, from the guard's records (run_dir/memory/<stage>.json): seconds, GPU and
+    host peaks in GiB, outcome."""
+    stages = {}
+    for f in sorted((run_dir / "memory").glob("*.json")):
+        rec = json.loads(f.read_text())
+        stages[f.stem] = {
+            "seconds": round(rec.get("seconds") or 0, 1),
+            "peak_allocated_gib": gib(rec.get("peak_gpu_allocated")),
+            "peak_reserved_gib": gib(rec.get("peak_gpu_reserved")),
+            "peak_device_used_gib": gib(rec.get("peak_device_used")),
+            "host_rss_peak_gib": gib(rec.get("peak_host_rss")),
+            "outcome": rec.get("outcome"),
+        }
+    return stages
+
+
 def run_row(key: str, root: Path, logs: Path, args: argparse.Namespace, verify: bool, timeout: float) -> dict[str, Any]:
     """`slimtune run` on the saved model; the row's figures from the run directory's own files."""
     spec = _spec(key, root, args, verify)
@@ -107,18 +124,7 @@ def run_row(key: str, root: Path, logs: Path, args: argparse.Namespace, verify: 
             row.update(_report_stats(SimpleNamespace(**train), args.warmup))
         except RuntimeError as e:  # no step after warm-up: the row says so, the other model still runs
             row.update(status="error", error=str(e)[:400])
-    stages = {}
-    for f in sorted((run_dir / "memory").glob("*.json")):
-        rec = json.loads(f.read_text())
-        stages[f.stem] = {
-            "seconds": round(rec.get("seconds") or 0, 1),
-            "peak_allocated_gib": gib(rec.get("peak_gpu_allocated")),
-            "peak_reserved_gib": gib(rec.get("peak_gpu_reserved")),
-            "peak_device_used_gib": gib(rec.get("peak_device_used")),
-            "host_rss_peak_gib": gib(rec.get("peak_host_rss")),
-            "outcome": rec.get("outcome"),
-        }
-    row["stages"] = stages
+    row["stages"] = stages = run_stages(run_dir)
     sft = stages.get("packed_sft") or {}
     row.update(peak_allocated_gib=sft.get("peak_allocated_gib"), peak_reserved_gib=sft.get("peak_reserved_gib"))
     peaks = [s["peak_allocated_gib"] for s in stages.values() if s["peak_allocated_gib"] is not None]

@@ -57,6 +57,7 @@ from benchmarks.common import (
     MODEL_SHAPES,
     attach_lora,
     build_random_model,
+    command_line,
     environment,
     error_text,
     free_memory,
@@ -267,6 +268,48 @@ def train_worker(
     return records
 
 
+def import_unsloth():
+    """Unsloth's `FastLanguageModel`, imported offline; call it before anything imports transformers or peft,
+    or Unsloth's patches are skipped. Raises what the import raises (absent, or broken: no GPU)."""
+    for var, value in (
+        ("HF_HUB_OFFLINE", "1"),
+        ("TRANSFORMERS_OFFLINE", "1"),
+        ("HF_DATASETS_OFFLINE", "1"),
+        ("UNSLOTH_DISABLE_STATISTICS", "1"),
+    ):
+        os.environ.setdefault(var, value)
+    from unsloth import FastLanguageModel
+
+    return FastLanguageModel
+
+
+def load_unsloth_lora(fast_language_model, model_dir: Path, model_key: str, seq: int):
+    """(model, tokenizer): the saved folder loaded in 4-bit by Unsloth, with LoRA r=16 on the family's
+    projections and "unsloth" checkpointing, as Unsloth's notebooks set them up."""
+    model, tokenizer = fast_language_model.from_pretrained(
+        model_name=str(model_dir),
+        max_seq_length=seq,
+        dtype=torch.bfloat16,
+        load_in_4bit=True,
+        fix_tokenizer=False,
+        local_files_only=True,
+        use_exact_model_name=True,
+        use_gradient_checkpointing="unsloth",
+    )
+    model = fast_language_model.get_peft_model(
+        model,
+        r=LORA_RANK,
+        lora_alpha=LORA_RANK,
+        lora_dropout=0,
+        bias="none",
+        random_state=0,
+        max_seq_length=seq,
+        target_modules=lora_target_modules(MODEL_SHAPES[model_key].family, list(LORA_TARGETS)),
+        use_gradient_checkpointing="unsloth",
+    )
+    return model, tokenizer
+
+
 def unsloth_worker(
     model_key: str,
     batches: list[int],
@@ -285,16 +328,9 @@ def unsloth_worker(
     """
     records, emit = _recorder(out)
 
-    for var, value in (
-        ("HF_HUB_OFFLINE", "1"),
-        ("TRANSFORMERS_OFFLINE", "1"),
-        ("HF_DATASETS_OFFLINE", "1"),
-        ("UNSLOTH_DISABLE_STATISTICS", "1"),
-    ):
-        os.environ.setdefault(var, value)
     t0 = time.perf_counter()
     try:
-        from unsloth import FastLanguageModel  # must come before transformers/peft are imported
+        FastLanguageModel = import_unsloth()  # before transformers/peft are imported
     except Exception as e:  # absent, or present but broken (Unsloth also raises at import without a GPU)
         status = "not installed" if isinstance(e, ModuleNotFoundError) and e.name == "unsloth" else "error"
         for b in batches:
@@ -321,27 +357,7 @@ def unsloth_worker(
 
     t0 = time.perf_counter()
     try:
-        model, _tok = FastLanguageModel.from_pretrained(
-            model_name=str(model_dir),
-            max_seq_length=seq,
-            dtype=torch.bfloat16,
-            load_in_4bit=True,
-            fix_tokenizer=False,
-            local_files_only=True,
-            use_exact_model_name=True,
-            use_gradient_checkpointing="unsloth",
-        )
-        model = FastLanguageModel.get_peft_model(
-            model,
-            r=LORA_RANK,
-            lora_alpha=LORA_RANK,
-            lora_dropout=0,
-            bias="none",
-            random_state=0,
-            max_seq_length=seq,
-            target_modules=lora_target_modules(MODEL_SHAPES[model_key].family, list(LORA_TARGETS)),
-            use_gradient_checkpointing="unsloth",
-        )
+        model, _tok = load_unsloth_lora(FastLanguageModel, model_dir, model_key, seq)
         FastLanguageModel.for_training(model)
     except Exception as e:
         traceback.print_exc()
@@ -477,13 +493,6 @@ def _write(result: dict[str, Any], out: Path) -> None:
     write_text_atomic(out / "bench.md", render_markdown(result))
 
 
-def _command(argv: list[str]) -> str:
-    """The command as typed, with the device tool's output folder written as $OUT."""
-    out_env = os.environ.get("OUT")
-    words = ["python3", "benchmarks/runner.py", *[("$OUT" if out_env and a == out_env else a) for a in argv]]
-    return " ".join(w if w == "$OUT" else shlex.quote(w) for w in words)
-
-
 def _plan(args: argparse.Namespace) -> list[tuple]:
     """Group-major order (`_GROUPS`), so that a run cut short by the budget still holds complete comparisons;
     merge/GGUF exports run just before Unsloth (the slowest to set up: it imports for ~20 s and must save and
@@ -564,7 +573,7 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "schema": 1,
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": _command(argv),
+        "command": command_line("benchmarks/runner.py", argv),
         "env": environment(args.device),
         "settings": {
             "models": args.models,
