@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections import defaultdict
 from pathlib import Path
 
@@ -237,6 +238,35 @@ class _StepTimes(TrainerCallback):
         }
 
 
+class _FirstSync(TrainerCallback):
+    """Raise at the first host-device synchronization inside step warmup+1 (torch's sync debug mode "error"):
+    a sync in the middle of a step makes the host wait for the GPU, so launches stop running ahead."""
+
+    def __init__(self, warmup: int) -> None:
+        super().__init__()
+        self.warmup = warmup
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.warmup:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def first_sync(model_key: str, batch: int, seq: int, warmup: int, scratch: Path) -> str:
+    """The traceback of the first synchronizing call inside a product step after warm-up, or a line saying none."""
+    from benchmarks.product import prepare_product, train_product
+
+    ps = prepare_product(model_key, batch, seq, warmup + 2, "cuda", scratch)
+    try:
+        train_product(ps, f"sync-{model_key}-b{batch}", batch, seq, warmup + 2, "cuda", callbacks=[_FirstSync(warmup)])
+    except RuntimeError as e:
+        torch.cuda.set_sync_debug_mode("default")
+        return traceback.format_exc() if "synchroniz" in str(e) else f"failed otherwise: {e}"
+    return "no synchronizing call inside the step"
+
+
 def profile_product(
     model_key: str, batch: int, seq: int, warmup: int, steps: int, scratch: Path, python_stats: bool = False
 ) -> dict:
@@ -295,6 +325,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--python-stats", action="store_true", help="product: cProfile the steps instead")
+    ap.add_argument("--first-sync", action="store_true", help="product: print the first host sync inside a step")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("profiling needs a CUDA GPU")
@@ -309,6 +340,10 @@ def main() -> int:
             results.append(r)
         del model
         free_memory("cuda")
+    if "product" in configs and args.first_sync:
+        with tempfile.TemporaryDirectory() as scratch:
+            print(first_sync(args.model, args.batch, args.seq, args.warmup, Path(scratch)))
+        return 0
     if "product" in configs:  # last: it owns its own model (the product attaches LoRA its way)
         with tempfile.TemporaryDirectory() as scratch:
             r = profile_product(

@@ -127,7 +127,7 @@ class _SlimTrainer(Trainer):
     do) was weighed and not taken: Trainer's accumulation, schedules, mixed precision, resume with data
     skipping and its trackers are what this module relies on; all would have to be re-written and re-tested.
     One private override remains, on the hot path: `_prepare_input`, for non-blocking copies of pinned
-    batches (one of the changes behind benchmarks/results/h100-2026-11-22-product.json, not measured alone);
+    batches (one of the changes behind benchmarks/results/h100/h100-2026-11-22-product.json, not measured alone);
     anything else falls back to Trainer's own.
     """
 
