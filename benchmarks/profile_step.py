@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -278,17 +279,33 @@ def profile_product(
     times = _StepTimes()
     name = f"profile-{model_key}-b{batch}"
     train_product(ps, f"{name}-times", batch, seq, total, "cuda", callbacks=[times])  # unprofiled first
+    no_gc = _StepTimes()  # the same with Python's cyclic garbage collector off: does it cost per step?
+    gc.freeze()
+    gc.disable()
+    try:
+        train_product(ps, f"{name}-nogc", batch, seq, total, "cuda", callbacks=[no_gc])
+    finally:
+        gc.enable()
+        gc.unfreeze()
     cb = _StepProfiler(warmup, steps, python_stats)
-    report = train_product(ps, name, batch, seq, total, "cuda", callbacks=[cb])
+    # cProfile sees one thread: run backward on this one too (autograd runs it on its device thread)
+    torch.autograd.set_multithreading_enabled(not python_stats)
+    try:
+        report = train_product(ps, name, batch, seq, total, "cuda", callbacks=[cb])
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
     notes = {
         "kernels": ps.lora.kernels,
         "batching": report.batching,
         "padding_waste": round(report.padding_waste, 4),
         "unprofiled": times.summary(warmup),
+        "unprofiled_gc_off": no_gc.summary(warmup),
     }
     if python_stats:  # cProfile instead of torch.profiler: wall per step and the host's Python functions
         out = io.StringIO()
-        pstats.Stats(cb.python, stream=out).sort_stats("cumulative").print_stats(45)
+        stats = pstats.Stats(cb.python, stream=out).sort_stats("tottime")
+        stats.print_stats(45)
+        stats.print_callers(r"\(named_parameters\)|\(parameters\)|\(train\)", 12)
         return {
             "config": "product",
             "batch": batch,
@@ -307,6 +324,7 @@ def _print(r: dict) -> None:
     )
     print("   " + ", ".join(f"{k} {v:.4f}" for k, v in r["categories_s"].items()))
     print(f"   unprofiled: {r['notes'].get('unprofiled')}")
+    print(f"   unprofiled, gc off: {r['notes'].get('unprofiled_gc_off')}")
     print(f"   {r['kernels_per_step']} kernels per step; top kernels:")
     for k in r["top_kernels"][:18]:
         print(f"   {k['s']:.5f} s  x{k['calls']:<6} {k['name'][:110]}")
@@ -351,6 +369,7 @@ def main() -> int:
             )
         if args.python_stats:
             print(r["python_cumulative"], f"unprofiled: {r['notes']['unprofiled']}", sep="\n")
+            print(f"unprofiled, gc off: {r['notes']['unprofiled_gc_off']}")
         else:
             _print(r)
         results.append(r)
