@@ -124,6 +124,11 @@ def profile_config(model: torch.nn.Module, config: str, batch: int, seq: int, wa
         for _ in range(warmup):
             step()
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):  # unprofiled first, in the same process as the profiled steps
+            step()
+        torch.cuda.synchronize()
+        notes = {**notes, "unprofiled": {"step_s": round((time.perf_counter() - t0) / steps, 4)}}
         torch.cuda.reset_peak_memory_stats()
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
