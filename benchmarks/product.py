@@ -21,7 +21,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,13 @@ from benchmarks.common import (
     quantize_nf4_,
     synchronize,
 )
+
+if TYPE_CHECKING:  # the benchmark imports slimtune's task modules only inside its workers
+    from transformers import TrainerCallback
+
+    from slimtune.run_plan import RunPlan
+    from slimtune.tasks.attach_lora import LoraResult
+    from slimtune.train import TrainReport
 
 PRODUCT_CONFIGS = ("product", "product_sdpa")
 
@@ -96,9 +103,9 @@ class ProductSetup:
 
     root: Path
     handle: str
-    lora: Any  # attach_lora's result: kernels applied and the checkpointing handle
+    lora: LoraResult  # kernels applied, and the checkpointing handle
     examples: str
-    plan: Any  # the RunPlan the flow would resolve
+    plan: RunPlan  # the plan the flow would resolve
     setup: dict[str, Any]
 
 
@@ -139,7 +146,15 @@ def prepare_product(
     return ProductSetup(root, handle, lora, examples, plan, setup)
 
 
-def train_product(ps: ProductSetup, name: str, batch: int, seq: int, total_steps: int, device: str, callbacks=None):
+def train_product(
+    ps: ProductSetup,
+    name: str,
+    batch: int,
+    seq: int,
+    total_steps: int,
+    device: str,
+    callbacks: list[TrainerCallback] | None = None,
+) -> TrainReport:
     """`packed_sft` at micro-batch `batch` (accumulation 1, "unsloth" checkpointing); returns its TrainReport."""
     from slimtune.tasks.packed_sft import packed_sft
 

@@ -26,7 +26,9 @@ import tempfile
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -43,6 +45,7 @@ from benchmarks.common import (
     reset_lora_,
     trainable_parameters,
     write_json_atomic,
+    write_text_atomic,
 )
 from benchmarks.runner import _prepare, ours_loss
 
@@ -78,7 +81,7 @@ def _category(name: str) -> str:
     return "other"
 
 
-def _prepare_variant(config: str, model: torch.nn.Module):
+def _prepare_variant(config: str, model: torch.nn.Module) -> tuple[Callable, dict[str, Any], Callable[[], None]]:
     """runner's configs, plus `ours_nogc` (kernels, no checkpointing), `ours_nokernels` (the reverse) and
     `ours_no_<kernel>` (ours without one kernel, e.g. `ours_no_lora_nf4`)."""
     from slimtune.kernels.apply import KERNEL_NAMES, apply_kernels
@@ -329,7 +332,8 @@ def _print(r: dict) -> None:
     )
     print("   " + ", ".join(f"{k} {v:.4f}" for k, v in r["categories_s"].items()))
     print(f"   unprofiled: {r['notes'].get('unprofiled')}")
-    print(f"   unprofiled, gc off: {r['notes'].get('unprofiled_gc_off')}")
+    if "unprofiled_gc_off" in r["notes"]:
+        print(f"   unprofiled, gc off: {r['notes']['unprofiled_gc_off']}")
     print(f"   {r['kernels_per_step']} kernels per step; top kernels:")
     for k in r["top_kernels"][:18]:
         print(f"   {k['s']:.5f} s  x{k['calls']:<6} {k['name'][:110]}")
@@ -353,6 +357,15 @@ def main() -> int:
     if not torch.cuda.is_available():
         ap.error("profiling needs a CUDA GPU")
     configs = args.configs.split(",")
+    if args.first_sync:
+        if configs != ["product"]:
+            ap.error("--first-sync looks at the product's step: use it with --configs product alone")
+        with tempfile.TemporaryDirectory() as scratch:
+            found = first_sync(args.model, args.batch, args.seq, args.warmup, Path(scratch))
+        print(found)
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(args.out / f"first-sync-{args.model}-b{args.batch}.txt", found + "\n")
+        return 0
     harness = [c for c in configs if c != "product"]
     results = []
     if harness:
@@ -363,10 +376,6 @@ def main() -> int:
             results.append(r)
         del model
         free_memory("cuda")
-    if "product" in configs and args.first_sync:
-        with tempfile.TemporaryDirectory() as scratch:
-            print(first_sync(args.model, args.batch, args.seq, args.warmup, Path(scratch)))
-        return 0
     if "product" in configs:  # last: it owns its own model (the product attaches LoRA its way)
         with tempfile.TemporaryDirectory() as scratch:
             r = profile_product(

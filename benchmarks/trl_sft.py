@@ -116,7 +116,6 @@ def step_report(
         "losses": entries,
         "tokens": used,
         "padding_waste": 1 - used / max(sum(slots[:steps]), 1),
-        "batching": "padding-free rows (TRL)",
         "tokens_per_s": used / train_s,
     }
 
@@ -199,6 +198,8 @@ def train(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from datasets import load_dataset
     from trl import SFTConfig, SFTTrainer
 
+    from slimtune.train.options import resolve_optimizer  # after Unsloth: it imports transformers
+
     cuda = args.device.startswith("cuda")
     root = Path(args.root)
     result["import_s"] = round(time.perf_counter() - t0, 2)
@@ -214,7 +215,7 @@ def train(args: argparse.Namespace, result: dict[str, Any]) -> None:
         learning_rate=LEARNING_RATE,
         lr_scheduler_type=LR_SCHEDULE,
         warmup_steps=0,
-        optim=OPTIMIZER,
+        optim=resolve_optimizer(OPTIMIZER, torch.device(args.device)),  # as `slimtune run` resolves it
         weight_decay=0.0,
         max_grad_norm=MAX_GRAD_NORM,
         bf16=cuda,
@@ -233,6 +234,8 @@ def train(args: argparse.Namespace, result: dict[str, Any]) -> None:
         model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )
     result["trainer_init_s"] = round(time.perf_counter() - t0, 2)  # TRL tokenizes and packs the data here
+    result["optimizer"] = config.optim
+    result["collator"] = type(trainer.data_collator).__name__  # how this tool batches packed rows
     counter = trainer.data_collator = CountingCollator(trainer.data_collator)
     clock = _step_clock(cuda)
     trainer.add_callback(clock)
@@ -248,6 +251,7 @@ def train(args: argparse.Namespace, result: dict[str, Any]) -> None:
     steps = trainer.state.global_step
     history = trainer.state.log_history
     report = step_report(history, clock.seconds, counter.tokens, counter.slots, steps, train_s)
+    report["batching"] = f"packed, {result['collator']}"  # the collator TRL (or Unsloth's patch) chose
     result.update(steps=steps, train_s=round(train_s, 2), tokens=report["tokens"])
     result["tokens_per_s"] = round(report["tokens_per_s"], 1)
     logged = [e["num_tokens"] for e in history if "num_tokens" in e]

@@ -185,6 +185,7 @@ def slimtune_row(args: argparse.Namespace, root: Path, logs: Path, timeout: floa
         train = json.loads(train_path.read_text())
         row.update(steps=train["steps"], train_s=round(train["training_seconds"], 2), tokens=train["tokens_seen"])
         row["tokens_per_s"] = round(train["tokens_per_s"], 1)
+        row["optimizer"] = train["optimizer"]  # as resolved for the device; each TRL row records its own
         _steady(row, SimpleNamespace(**train), args.warmup)
     stages = run_stages(run_dir)
     sft = stages.get("packed_sft") or {}
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "env": environment(args.device),
         "settings": {k: getattr(args, k) for k in ("model", "tools", "device", "batch", "seq", "steps", "warmup")}
-        | {"learning_rate": LEARNING_RATE, "lr_schedule": LR_SCHEDULE, "optimizer": OPTIMIZER, "lora_rank": LORA_RANK},
+        | {"learning_rate": LEARNING_RATE, "lr_schedule": LR_SCHEDULE, "lora_rank": LORA_RANK},
         "command": command_line("benchmarks/user_compare.py", argv),
         "rows": [],
     }

@@ -8,10 +8,8 @@ allocation per layer.
 Exactness: bitsandbytes computes each value as `fp32(code[nibble] * absmax[block])` rounded once to
 the output dtype, and, with double quantization, `absmax = fp32(code2[q] * absmax2[q_block])`, then
 `+ offset` as a separate operation. The GPU compiler would fuse `a * b + c` into one FMA (one rounding
-instead of two), so the kernel is compiled with `enable_fp_fusion=False`: the same two roundings
-bitsandbytes performs, in one launch. (It used to be two kernels, the absmax product stored by the first:
-a second Triton launch per dequantization, 637 per step of an 8B model at batch 1, on a step whose
-GPU is idle most of the time waiting for the host: benchmarks/results/profiles/profile-8b-b1-h100-2026-11-23.json.)
+instead of two), so the kernel is compiled with `enable_fp_fusion=False`: bitsandbytes' two roundings, and
+the absmax computed in the same launch (the step around this kernel is often bound by the host's launches).
 
 No host sync: the offset is a 0-d tensor on the GPU and the kernel loads it there. Reading it on the
 host (`float(offset)`) once cost a device sync per dequantization, 21 per decoder layer per training

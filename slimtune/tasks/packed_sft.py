@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from slimtune import registry
 from slimtune.export.model_card import write_adapter_card
@@ -46,7 +47,7 @@ def packed_sft(
     gradient_accumulation_steps: int,
     gradient_checkpointing: bool | str,
     plan: RunPlan | None = None,
-    callbacks: list | None = None,
+    callbacks: list[TrainerCallback] | None = None,
 ) -> TrainReport:
     """Train the LoRA adapter; micro-batch, accumulation and checkpointing may be downshifted by the guard.
 

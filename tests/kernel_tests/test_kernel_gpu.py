@@ -121,16 +121,43 @@ def test_fused_ce_8b_matches_and_never_builds_full_logits():
     assert _rel_err(hidden.grad, h32.grad) < 2**-6
 
 
-def test_nf4_8b_bit_exact_with_bitsandbytes_cuda():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("double_quant", [True, False], ids=["double_quant", "plain_absmax"])
+def test_nf4_8b_bit_exact_with_bitsandbytes_cuda(dtype, double_quant):
+    """On the GPU the compiler may contract a * b + c into one FMA; the CPU interpreter never does, so only
+    this test can catch a lost rounding in the double-quantized absmax."""
     import bitsandbytes.functional as bnbf
 
     from slimtune.kernels.nf4 import dequantize_nf4, dequantize_nf4_scratch
 
-    w = (torch.randn(I, H, device=_cuda()) * 0.02).bfloat16()
-    packed, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    w = (torch.randn(I, H, device=_cuda()) * 0.02).to(dtype)
+    packed, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=double_quant, quant_type="nf4")
     ref = bnbf.dequantize_4bit(packed, state, quant_type="nf4")
     assert torch.equal(dequantize_nf4(packed, state).view(torch.int16), ref.view(torch.int16))
     assert torch.equal(dequantize_nf4_scratch(packed, state).view(torch.int16), ref.view(torch.int16))
+
+
+def test_lora_nf4_linear_ignores_what_its_fresh_buffers_held():
+    """The forward and backward write into `empty` buffers with beta=0 GEMMs: memory the caching allocator
+    hands back full of NaN must not leak into the outputs or the gradients."""
+    import bitsandbytes.functional as bnbf
+
+    from slimtune.kernels.lora_linear import lora_nf4_linear
+
+    w = (torch.randn(I, H, device=_cuda()) * 0.02).bfloat16()
+    packed, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    x = torch.randn(T, H, device=_cuda()).bfloat16().requires_grad_()
+    a = (torch.randn(16, H, device=_cuda()) * 0.02).requires_grad_()
+    b = (torch.randn(I, 16, device=_cuda()) * 0.02).requires_grad_()
+    dy = torch.randn(T, I, device=_cuda()).bfloat16()
+    for _ in range(2):  # free blocks of every size the call allocates, filled with NaN
+        junk = [torch.full((n,), float("nan"), device=_cuda(), dtype=torch.bfloat16) for n in (T * I, T * H, T * 16)]
+        junk += [torch.full((n,), float("nan"), device=_cuda()) for n in (I * 16, 16 * H)]
+        del junk
+    y = lora_nf4_linear(x, packed, state, None, a, b, 2.0)
+    y.backward(dy)
+    for t in (y, x.grad, a.grad, b.grad):
+        assert torch.isfinite(t).all()
 
 
 @pytest.mark.parametrize("shape", [(H, H), (I, H), (H, I)], ids=["q_proj", "gate_proj", "down_proj"])
