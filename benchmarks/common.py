@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -717,4 +718,42 @@ def memory_fields(mem, rss) -> dict:
         "static_allocated_gib": gib(mem.static_allocated),
         "host_rss_start_gib": gib(rss.start_host_rss),
         "host_rss_peak_gib": gib(rss.peak_host_rss),
+    }
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOG_TAIL = 3000  # characters of a worker's log kept in a result row
+
+
+def run_process(
+    cmd: list[str], timeout: float, log: Path, env: dict[str, str] | None = None, cwd: Path = REPO_ROOT
+) -> dict[str, Any]:
+    """Run `cmd` in `cwd`, in its own process group, under `timeout` seconds, output to `log`.
+
+    Returns rc (None when killed at the timeout), wall_s, the peak RSS of the process tree in bytes (wait4's
+    ru_maxrss: the largest of the process and the children it waited for) and the log's tail. Whatever the
+    group leaves behind (a server a tool started) is killed with it.
+    """
+    t0 = time.monotonic()
+    with log.open("w", encoding="utf-8") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
+        rc: int | None = None
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                rc = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() - t0 > timeout:
+                os.killpg(proc.pid, signal.SIGKILL)
+                _pid, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.1)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return {
+        "rc": rc,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "host_rss_peak": usage.ru_maxrss * 1024,  # KiB on Linux
+        "tail": log.read_text(encoding="utf-8", errors="replace")[-LOG_TAIL:],
     }

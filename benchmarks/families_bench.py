@@ -28,7 +28,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,12 +36,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `benchmarks`, `slimtune`
 
-from benchmarks.common import MODEL_SHAPES, environment, gib, make_row, write_json_atomic, write_text_atomic
+from benchmarks.common import (
+    MODEL_SHAPES,
+    REPO_ROOT,
+    environment,
+    gib,
+    make_row,
+    run_process,
+    write_json_atomic,
+    write_text_atomic,
+)
 from benchmarks.product import _report_stats, write_chat_data
 
-ROOT = Path(__file__).resolve().parent.parent
 GiB = 1024**3
-_LOG_TAIL = 3000
 UNSLOTH_S = 110.0  # runner.py's Unsloth worker on an H100: 112-115 s for the 1B and 8B shapes at batch 1 and 4
 
 
@@ -69,17 +75,6 @@ def _spec(key: str, root: Path, args: argparse.Namespace, verify: bool) -> dict[
         "merge": {"enabled": True},
         "export": {"gguf": ["f16"], "verify": verify},
     }
-
-
-def _run(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, str]:
-    """Run `cmd` under `timeout` seconds with its output in `log`; (exit code or None on timeout, log tail)."""
-    with log.open("w", encoding="utf-8") as f:
-        try:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
-            rc: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-    return rc, log.read_text(encoding="utf-8", errors="replace")[-_LOG_TAIL:]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -111,7 +106,8 @@ def run_row(key: str, root: Path, logs: Path, args: argparse.Namespace, verify: 
     run_dir = root / "runs" / spec["name"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a re-run must not resume the previous one's checkpoint
     t0 = time.monotonic()
-    rc, tail = _run([sys.executable, "-m", "slimtune.cli", "run", str(spec_path)], timeout, logs / f"{key}-run.log")
+    proc = run_process([sys.executable, "-m", "slimtune.cli", "run", str(spec_path)], timeout, logs / f"{key}-run.log")
+    rc, tail = proc["rc"], proc["tail"]
     seconds = round(time.monotonic() - t0, 1)
     status = "ok" if rc == 0 else "timeout" if rc is None else "error"
     row = make_row(key, "slimtune_run", args.batch, args.seq, status, warmup=args.warmup, wall_s=seconds)
@@ -143,11 +139,12 @@ def unsloth_rows(keys: list[str], root: Path, sub: Path, args: argparse.Namespac
     bench.json and bench.md go to `sub`)."""
     if budget < 30:
         return [make_row(k, "unsloth", args.batch, args.seq, "timeout", error="time budget spent") for k in keys]
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "runner.py"), "--models", ",".join(keys), "--configs", "unsloth"]
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "runner.py"), "--models", ",".join(keys)]
+    cmd += ["--configs", "unsloth"]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps"]
     cmd += [str(args.steps), "--device", args.device, "--out", str(sub), "--budget-s", str(int(budget - 10))]
     cmd += ["--scratch", str(root), "--model-root", str(root)]
-    _rc, tail = _run(cmd, budget, sub.parent / "logs" / f"{sub.name}.log")
+    tail = run_process(cmd, budget, sub.parent / "logs" / f"{sub.name}.log")["tail"]
     bench = _read_json(sub / "bench.json")
     if bench is None:
         return [
@@ -241,9 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     reserve = 0.0 if args.no_unsloth else UNSLOTH_S
     for key in keys:
         t0 = time.monotonic()
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "calibrate_memory.py"), "--worker", "build", "--models", key]
+        cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "calibrate_memory.py"), "--worker", "build"]
+        cmd += ["--models", key]
         cmd += ["--root", str(root), "--out", str(out), "--device", args.device]
-        rc, tail = _run(cmd, max(deadline - time.monotonic() - reserve, 1), out / "logs" / f"{key}-build.log")
+        proc = run_process(cmd, max(deadline - time.monotonic() - reserve, 1), out / "logs" / f"{key}-build.log")
+        rc, tail = proc["rc"], proc["tail"]
         result["build"][key] = {"rc": rc, "seconds": round(time.monotonic() - t0, 1)}
         print(f"built {key}: rc {rc} in {result['build'][key]['seconds']} s", flush=True)
         if rc != 0:

@@ -34,14 +34,11 @@ OUT/logs/ (each process's output).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,11 +52,13 @@ from benchmarks.common import (
     LORA_RANK,
     LORA_TARGETS,
     MODEL_SHAPES,
+    REPO_ROOT,
     SEED,
     command_line,
     environment,
     gib,
     make_row,
+    run_process,
     write_json_atomic,
     write_text_atomic,
 )
@@ -67,9 +66,7 @@ from benchmarks.families_bench import run_stages
 from benchmarks.product import _report_stats, write_chat_data
 from benchmarks.trl_sft import LEARNING_RATE, LR_SCHEDULE, MAX_GRAD_NORM, NEEDS, OPTIMIZER
 
-ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ("slimtune", *trl_sft.TOOLS)
-_LOG_TAIL = 3000
 _MIN_START_S = 30  # a tool is not started with less of the budget left than this
 
 
@@ -111,40 +108,6 @@ def slimtune_spec(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         },
         "merge": {"enabled": False},
         "export": {"gguf": []},
-    }
-
-
-def run_process(
-    cmd: list[str], timeout: float, log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT
-) -> dict[str, Any]:
-    """Run `cmd` in `cwd`, in its own process group, under `timeout` seconds, output to `log`.
-
-    Returns rc (None when killed at the timeout), wall_s, the peak RSS of the process tree in bytes (wait4's
-    ru_maxrss: the largest of the process and the children it waited for) and the log's tail. Whatever the
-    group leaves behind (a server a tool started) is killed with it.
-    """
-    t0 = time.monotonic()
-    with log.open("w", encoding="utf-8") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
-        rc: int | None = None
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                rc = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() - t0 > timeout:
-                os.killpg(proc.pid, signal.SIGKILL)
-                _pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.1)
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    return {
-        "rc": rc,
-        "wall_s": round(time.monotonic() - t0, 1),
-        "host_rss_peak": usage.ru_maxrss * 1024,  # KiB on Linux
-        "tail": log.read_text(encoding="utf-8", errors="replace")[-_LOG_TAIL:],
     }
 
 
@@ -338,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command_line("benchmarks/user_compare.py", argv),
         "rows": [],
     }
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "calibrate_memory.py"), "--worker", "build", "--models"]
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "calibrate_memory.py"), "--worker", "build", "--models"]
     cmd += [args.model, "--root", str(root), "--out", str(out), "--device", args.device]
     build = run_process(cmd, max(deadline - time.monotonic(), 1), logs / "build.log")
     result["build"] = {k: build[k] for k in ("rc", "wall_s")}

@@ -12,13 +12,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import user_compare
+from benchmarks.common import run_process
 from benchmarks.trl_sft import CountingCollator, step_report
 
 
 def test_run_process_reports_the_child_peak_rss(tmp_path: Path) -> None:
     """A child that holds 300 MiB: the peak (wait4's ru_maxrss) covers it, whatever this process holds."""
     code = "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('held')"
-    proc = user_compare.run_process([sys.executable, "-c", code], 60, tmp_path / "log")
+    proc = run_process([sys.executable, "-c", code], 60, tmp_path / "log")
     assert proc["rc"] == 0
     assert proc["host_rss_peak"] >= 300 * 2**20
     assert "held" in proc["tail"]
@@ -34,7 +35,7 @@ def test_run_process_kills_the_group_at_the_timeout(tmp_path: Path) -> None:
         "print('started', flush=True)\n"
         "time.sleep(120)\n"
     )
-    proc = user_compare.run_process([sys.executable, "-c", code], 3, tmp_path / "log")
+    proc = run_process([sys.executable, "-c", code], 3, tmp_path / "log")
     assert proc["rc"] is None
     assert proc["wall_s"] < 60
     assert "started" in proc["tail"]
