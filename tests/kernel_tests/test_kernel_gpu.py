@@ -137,19 +137,24 @@ def test_nf4_8b_bit_exact_with_bitsandbytes_cuda(dtype, double_quant):
     assert torch.equal(dequantize_nf4_scratch(packed, state).view(torch.int16), ref.view(torch.int16))
 
 
-def test_lora_nf4_linear_ignores_what_its_fresh_buffers_held():
-    """The forward and backward write into `empty` buffers with beta=0 GEMMs: memory the caching allocator
-    hands back full of NaN must not leak into the outputs or the gradients."""
+def _gate_proj_case():
+    """An 8B gate projection in NF4 with LoRA factors, a 2048-token input and an output gradient."""
     import bitsandbytes.functional as bnbf
-
-    from slimtune.kernels.lora_linear import lora_nf4_linear
 
     w = (torch.randn(I, H, device=_cuda()) * 0.02).bfloat16()
     packed, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
     x = torch.randn(T, H, device=_cuda()).bfloat16().requires_grad_()
     a = (torch.randn(16, H, device=_cuda()) * 0.02).requires_grad_()
     b = (torch.randn(I, 16, device=_cuda()) * 0.02).requires_grad_()
-    dy = torch.randn(T, I, device=_cuda()).bfloat16()
+    return packed, state, x, a, b, torch.randn(T, I, device=_cuda()).bfloat16()
+
+
+def test_lora_nf4_linear_ignores_what_its_fresh_buffers_held():
+    """The forward and backward write into `empty` buffers with beta=0 GEMMs: memory the caching allocator
+    hands back full of NaN must not leak into the outputs or the gradients."""
+    from slimtune.kernels.lora_linear import lora_nf4_linear
+
+    packed, state, x, a, b, dy = _gate_proj_case()
     for _ in range(2):  # free blocks of every size the call allocates, filled with NaN
         junk = [torch.full((n,), float("nan"), device=_cuda(), dtype=torch.bfloat16) for n in (T * I, T * H, T * 16)]
         junk += [torch.full((n,), float("nan"), device=_cuda()) for n in (I * 16, 16 * H)]
@@ -185,16 +190,9 @@ def test_lora_nf4_linear_8b(shape):
 
 def test_lora_nf4_step_never_syncs_with_the_host():
     """A host sync per dequantization (reading the double-quant offset) once idled the GPU ~30% of a step."""
-    import bitsandbytes.functional as bnbf
-
     from slimtune.kernels.lora_linear import lora_nf4_linear
 
-    w = (torch.randn(I, H, device=_cuda()) * 0.02).bfloat16()
-    packed, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
-    x = torch.randn(T, H, device=_cuda()).bfloat16().requires_grad_()
-    a = (torch.randn(16, H, device=_cuda()) * 0.02).requires_grad_()
-    b = (torch.randn(I, 16, device=_cuda()) * 0.02).requires_grad_()
-    dy = torch.randn(T, I, device=_cuda()).bfloat16()
+    packed, state, x, a, b, dy = _gate_proj_case()
     lora_nf4_linear(x, packed, state, None, a, b, 2.0).backward(dy)  # warm-up: compile, allocate
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
