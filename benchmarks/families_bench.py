@@ -46,7 +46,7 @@ from benchmarks.common import (
     write_json_atomic,
     write_text_atomic,
 )
-from benchmarks.product import _report_stats, write_chat_data
+from benchmarks.product import report_stats, write_chat_data
 
 GiB = 1024**3
 UNSLOTH_S = 110.0  # runner.py's Unsloth worker on an H100: 112-115 s for the 1B and 8B shapes at batch 1 and 4
@@ -117,7 +117,7 @@ def run_row(key: str, root: Path, logs: Path, args: argparse.Namespace, verify: 
     train = _read_json(run_dir / "train_report.json")
     if train:
         try:
-            row.update(_report_stats(SimpleNamespace(**train), args.warmup))
+            row.update(report_stats(SimpleNamespace(**train), args.warmup))
         except RuntimeError as e:  # no step after warm-up: the row says so, the other model still runs
             row.update(status="error", error=str(e)[:400])
     row["stages"] = stages = run_stages(run_dir)

@@ -189,7 +189,7 @@ def product_worker(
             free_memory(device)
             with rss, mem:
                 report = train_product(ps, f"{config}-{model_key}-b{b}", b, seq, total_steps, device)
-            row.update(_report_stats(report, warmup))
+            row.update(report_stats(report, warmup))
         except torch.OutOfMemoryError as e:
             row.update(status="oom", error=error_text(e))
         except Exception as e:
@@ -199,7 +199,7 @@ def product_worker(
         emit(row)
 
 
-def _report_stats(report, warmup: int) -> dict[str, Any]:
+def report_stats(report, warmup: int) -> dict[str, Any]:
     """tokens/s of the steps after warm-up, from the train report's per-step log entries."""
     timed = [e for e in report.losses if e["step"] > warmup and e.get("tokens_per_s")]
     if not timed:

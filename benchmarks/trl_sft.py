@@ -91,7 +91,7 @@ class CountingCollator:
 def step_report(
     log_history: list[dict], step_seconds: list[float], tokens: list[int], slots: list[int], steps: int, train_s: float
 ) -> dict[str, Any]:
-    """A train-report-like record (product.py's `_report_stats` reads it, so the steady rate has one definition
+    """A train-report-like record (product.py's `report_stats` reads it, so the steady rate has one definition
     for every tool) from the Trainer's log, the per-step seconds and the per-batch token counts.
 
     When the collator saw fewer batches than steps (a trainer that replaced it), the per-step tokens come from
@@ -159,20 +159,15 @@ def _load(args: argparse.Namespace, model_dir: Path, result: dict[str, Any]):
         return model, tokenizer, None, {}
     import torch
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slimtune.families import lora_target_modules
+    from slimtune.merge.nf4 import QuantSpec
 
     attn = hf_attention(args.hf_attn, args.device)
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-    )
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
-        quantization_config=quant,
+        quantization_config=QuantSpec().bnb_config(torch.bfloat16),  # the NF4 settings `slimtune run` loads with
         dtype=torch.bfloat16,
         attn_implementation=attn,
         device_map={"": 0 if args.device.startswith("cuda") else "cpu"},

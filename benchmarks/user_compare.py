@@ -63,7 +63,7 @@ from benchmarks.common import (
     write_text_atomic,
 )
 from benchmarks.families_bench import run_stages
-from benchmarks.product import _report_stats, write_chat_data
+from benchmarks.product import report_stats, write_chat_data
 from benchmarks.trl_sft import LEARNING_RATE, LR_SCHEDULE, MAX_GRAD_NORM, NEEDS, OPTIMIZER
 
 TOOLS = ("slimtune", *trl_sft.TOOLS)
@@ -120,7 +120,7 @@ def _steady(row: dict[str, Any], report: SimpleNamespace, warmup: int) -> None:
     """Steady-state and loss fields from a train-report-like record (product.py's definition, renamed:
     `tokens_per_s` here is real tokens / training seconds, `steady_tokens_per_s` the median step after warm-up)."""
     try:
-        stats = _report_stats(report, warmup)
+        stats = report_stats(report, warmup)
     except RuntimeError as e:  # no step after warm-up
         row["steady_error"] = str(e)[:400]
         if report.losses:
