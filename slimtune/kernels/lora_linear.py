@@ -26,13 +26,15 @@ from .nf4 import dequantize_nf4_scratch
 
 class _LoRANF4Fn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, packed, quant_state, bias, lora_a, lora_b, scale: float, compute_output: bool):
+    def forward(ctx, x, packed, quant_state, bias, lora_a, lora_b, casts, scale: float, compute_output: bool):
         x2 = x.reshape(-1, x.shape[-1])
         dtype = x.dtype
-        a, b = lora_a.to(dtype), lora_b.to(dtype)
+        a, b = casts if casts is not None else adapters_in(lora_a, lora_b, dtype)
         xa = x2 @ a.t()
-        ctx.save_for_backward(x2, xa, lora_a, lora_b, packed)
+        # the casts, not the adapters: backward multiplies in the activation dtype and need not cast again
+        ctx.save_for_backward(x2, xa, a, b, packed)
         ctx.quant_state, ctx.scale, ctx.x_shape = quant_state, scale, x.shape
+        ctx.grad_dtypes = lora_a.dtype, lora_b.dtype
         out_shape = (*x.shape[:-1], b.shape[0])
         if not compute_output:
             return x2.new_zeros(()).expand(out_shape)  # no memory; its values are never read
@@ -50,21 +52,21 @@ class _LoRANF4Fn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2, xa, lora_a, lora_b, packed = ctx.saved_tensors
+        x2, xa, a, b, packed = ctx.saved_tensors
         scale, dtype = ctx.scale, x2.dtype
+        a_dtype, b_dtype = ctx.grad_dtypes
         dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)
-        a, b = lora_a.to(dtype), lora_b.to(dtype)
         dyb = dy2.new_empty((dy2.shape[0], b.shape[1])).addmm_(dy2, b, beta=0, alpha=scale)  # scale * dy B: [tokens, r]
         d_a = d_b = dx = None
         if ctx.needs_input_grad[5]:
-            d_b = xa.new_empty(b.shape).addmm_(dy2.t(), xa, beta=0, alpha=scale).to(lora_b.dtype)
+            d_b = xa.new_empty(b.shape).addmm_(dy2.t(), xa, beta=0, alpha=scale).to(b_dtype)
         if ctx.needs_input_grad[4]:
-            d_a = (dyb.t() @ x2).to(lora_a.dtype)
+            d_a = (dyb.t() @ x2).to(a_dtype)
         if ctx.needs_input_grad[0]:
             dx = dyb @ a
             dx.addmm_(dy2, dequantize_nf4_scratch(packed, ctx.quant_state, dtype))
             dx = dx.view(ctx.x_shape)
-        return dx, None, None, None, d_a, d_b, None, None
+        return dx, None, None, None, d_a, d_b, None, None, None
 
 
 def lora_nf4_linear(
@@ -76,6 +78,7 @@ def lora_nf4_linear(
     lora_b: torch.Tensor,
     scale: float,
     compute_output: bool = True,
+    casts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`x W^T + bias + scale * (x A^T) B^T` with W an NF4 weight; gradients for x, A and B only.
 
@@ -87,8 +90,15 @@ def lora_nf4_linear(
         scale: LoRA scaling (alpha / r, or alpha / sqrt(r) with rsLoRA).
         compute_output: False returns zeros (a stride-0 view) and skips the base matmul, for a
             recomputation whose output is discarded; the gradients are the same.
+        casts: `adapters_in(lora_a, lora_b, x.dtype)` made earlier, to reuse (a checkpointed layer's
+            recompute reuses its forward's); default: cast here.
     """
-    return _LoRANF4Fn.apply(x, packed, quant_state, bias, lora_a, lora_b, scale, compute_output)
+    return _LoRANF4Fn.apply(x, packed, quant_state, bias, lora_a, lora_b, casts, scale, compute_output)
+
+
+def adapters_in(lora_a: torch.Tensor, lora_b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adapters cast to the activation dtype, outside autograd (their gradients come from the Function)."""
+    return lora_a.detach().to(dtype), lora_b.detach().to(dtype)
 
 
 def reference_lora_nf4_linear(

@@ -178,6 +178,48 @@ def test_unsloth_checkpointing_with_kernels_gives_the_same_lora_gradients(tiny_q
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_unsloth_recompute_reuses_the_forward_casts_and_sees_each_update(tiny_qlora, monkeypatch):
+    """Under "unsloth" checkpointing each projection casts its adapters once per step (the recompute takes the
+    forward's casts), and a step after an in-place update of the adapters (as an optimizer makes, which need
+    not bump their version) trains on the updated values: its gradients equal peft's, kernels off."""
+    from slimtune.kernels import lora_linear
+    from slimtune.memory.checkpointing import enable_checkpointing, recomputing
+
+    model = tiny_qlora
+    batch = _batch(model.get_base_model().config.vocab_size)
+    monkeypatch.setattr(model.get_base_model().config, "use_cache", False)
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    saved = [p.detach().clone() for p in adapters]
+    for p in adapters:  # fp64 adapters over fp32 compute: the casts are copies, so a stale one would show
+        p.data = p.data.double()
+    made = []
+    original = lora_linear.adapters_in
+
+    def spy(a, b, dtype):
+        made.append(dtype)
+        return original(a, b, dtype)
+
+    monkeypatch.setattr(lora_linear, "adapters_in", spy)
+    handle = enable_checkpointing(model, "unsloth")
+    patch = apply_kernels(model, list(KERNEL_NAMES), recomputing=recomputing)
+    try:
+        _step(model, batch)
+        assert len(made) == len(model.peft_config["default"].target_modules)  # one layer: once per projection
+        with torch.no_grad():
+            for p in adapters:
+                p.add_(0.1 * torch.randn_like(p))
+        out, grads = _step(model, batch)
+    finally:
+        patch.undo()
+        handle.undo()
+    ref_out, ref_grads = _step(model, batch)
+    for p, s in zip(adapters, saved, strict=True):  # the module-scoped fixture gets its own adapters back
+        p.data = s
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_lora_falls_back_to_peft_when_adapters_are_disabled(tiny_qlora):
     model = tiny_qlora
     batch = _batch(model.get_base_model().config.vocab_size)
