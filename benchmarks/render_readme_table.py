@@ -80,6 +80,10 @@ def render_section(results: list[dict[str, Any]]) -> str:
         f" ({env['gpu_memory']}, driver {env.get('driver')}, CUDA {env.get('cuda')})" if env.get("gpu_memory") else ""
     )
     keys = dict.fromkeys(r["model"] for res in results for r in res["rows"])
+
+    def each(field: str) -> str:  # one value, or each call's where the calls differ ("2048 / 16384")
+        return " / ".join(str(v) for v in dict.fromkeys(res.get("settings", {}).get(field) for res in results))
+
     models = ", ".join(MODEL_SHAPES[m].name for m in keys if m in MODEL_SHAPES)
     lines = [
         "## Performance",
@@ -89,11 +93,11 @@ def render_section(results: list[dict[str, Any]]) -> str:
         "",
         f"Random weights with the real shapes of {models}; NF4 with double quantization, LoRA "
         f"r={settings.get('lora_rank', 16)} on the seven projections, bf16 autocast, AdamW, "
-        f"seq {settings.get('seq')}. `product` is slimtune's own training path (the `attach_lora` and "
+        f"seq {each('seq')}. `product` is slimtune's own training path (the `attach_lora` and "
         "`packed_sft` task functions: Trainer, packing, collator, callbacks) on a chat JSONL; its tokens/s "
         "counts real tokens and is the median, from the train report, of the optimizer steps after "
-        f"{settings.get('warmup')} warm-up steps. The other configs train one fixed random batch: tokens/s "
-        f"= batch × seq / the median of {settings.get('steps')} timed steps after the warm-up; `ours` "
+        f"{each('warmup')} warm-up steps (per command below). The other configs train one fixed random batch: tokens/s "
+        f"= batch × seq / the median of {each('steps')} timed steps after the warm-up; `ours` "
         "(slimtune's kernels in that hand loop) is a diagnostic. Peak GPU memory is the allocator's "
         "high-water mark over all steps; host RSS is the worker process's peak, sampled every 20 ms from a "
         "child process. A config whose package was absent says `not installed`: no number is ever estimated.",
