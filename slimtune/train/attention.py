@@ -2,9 +2,16 @@
 
 With SDPA, transformers keeps packed examples apart by building a dense block-diagonal mask from the
 position ids (B x 1 x T x T, once per forward), and a masked SDPA call leaves the flash backend for the
-memory-efficient one. PyTorch >= 2.9 ships the flash kernel's varlen entry point
-(`torch.nn.attention.varlen.varlen_attn`): the micro-batch is flattened to one row, example boundaries
-go in as `cu_seq_lens` (the collator's `flash_varlen` batches), and each example attends to itself only.
+memory-efficient one. PyTorch's flash kernel takes variable-length rows: the micro-batch is flattened to
+one row, example boundaries go in as `cu_seq_lens` (the collator's `flash_varlen` batches), and each
+example attends to itself only.
+
+The kernel is called as aten's `_flash_attention_forward`, whose backward aten registers, not through
+`torch.nn.attention.varlen.varlen_attn` (torch >= 2.9): that wraps the same kernel in a Python custom op
+with a Python autograd step and an extra launch per call, and in torch 2.11 it has no grouped-query
+attention, so k and v had to be repeated to every query head (and their gradients summed back). The aten
+kernel takes fewer k/v heads as they are. On a 1B step, which the host bounds, the hand loop on packed
+rows through `varlen_attn` took 1.06-1.13x its step on plain rows through SDPA (benchmarks/product_gap.py).
 
 This registers that kernel with transformers' `AttentionInterface` under `VARLEN` (the documented way to
 add an attention function; nothing of transformers is patched). A name transformers has no mask function
@@ -17,7 +24,6 @@ Off CUDA (tests) each example goes through its own causal SDPA call: slow, same 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -33,17 +39,9 @@ VARLEN = "slimtune_varlen"
 
 
 @functools.cache
-def _varlen_kernel():
-    """torch's varlen_attn and its keyword for causal masking, or None where this torch has neither."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    # torch 2.13 takes window_size=(-1, 0) for causal; earlier releases an is_causal flag.
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
-    return varlen_attn, {**causal, **gqa}
+def _flash_varlen() -> Callable[..., Any] | None:
+    """aten's flash-attention forward (variable-length rows, autograd included), or None where torch lacks it."""
+    return getattr(torch.ops.aten, "_flash_attention_forward", None)
 
 
 def _boundaries(kwargs: dict, position_ids: torch.Tensor | None, total: int, device: torch.device):
@@ -77,12 +75,10 @@ def varlen_attention_forward(
     cu, longest = _boundaries(kwargs, kwargs.get("position_ids"), total, query.device)
     # (B, H, T, D) -> (B*T, H, D): a transpose view; the kernel takes any strides but the last.
     q, k, v = (t.transpose(1, 2).reshape(total, t.shape[1], dim) for t in (query, key, value))
-    kernel = _varlen_kernel() if query.is_cuda and dropout == 0.0 else None
-    if kernel is not None and query.dtype in (torch.float16, torch.bfloat16):
-        varlen_attn, flags = kernel
-        if "enable_gqa" not in flags and k.shape[1] != heads:
-            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **flags)
+    flash = _flash_varlen() if query.is_cuda and dropout == 0.0 else None
+    if flash is not None and query.dtype in (torch.float16, torch.bfloat16):
+        # causal, no dropout, no debug mask; k and v keep their own (fewer) heads
+        out = flash(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scaling)[0]
     else:
         out = torch.empty_like(q)
         bounds = cu.tolist()
@@ -115,8 +111,8 @@ def varlen_supported(model: torch.nn.Module, device: torch.device) -> str | None
     config = model.config
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return f"attention is {getattr(config, '_attn_implementation', None)!r}, not sdpa"
-    if device.type != "cuda" or _varlen_kernel() is None:
-        return "needs CUDA and torch.nn.attention.varlen (torch >= 2.9)"
+    if device.type != "cuda" or _flash_varlen() is None:
+        return "needs CUDA and aten's flash attention"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "flash attention needs compute capability 8.0 or newer"
     return _config_reason(lambda field: getattr(config, field, None))
@@ -126,7 +122,7 @@ def varlen_expected(config: dict[str, Any], device_type: str, packing: str) -> b
     """Whether training a model of config.json `config` will use `VARLEN` (before it is loaded): what the
     memory estimates assume. The compute capability is not known then; an older GPU's estimate counts
     varlen's q, k and v all the same, on the safe side."""
-    if device_type != "cuda" or packing == "padded" or _varlen_kernel() is None:
+    if device_type != "cuda" or packing == "padded" or _flash_varlen() is None:
         return False
     return _config_reason(text_fields(config).get) is None
 
