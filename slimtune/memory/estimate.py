@@ -298,6 +298,12 @@ def _varlen_bytes_per_token_layer(shape: _Shape, dtype_bytes: int) -> int:
     kernels on, allocated peaks rose by exactly one 16-bit q, k and v per token-layer over the same cells
     through SDPA (8B: 768 MiB at 1 x 2048 without checkpointing, 24 MiB with it); with the kernels off
     (eager RoPE) they did not change. Which tensor it is was not isolated.
+
+    Since varlen attention calls aten's flash kernel directly (k/v no longer repeated to every head, no
+    custom op), the product's peaks fell by about this term for one layer (H100, 2026-11-23, the README's
+    table against the one before it: 8B 1 x 16384 with "unsloth" checkpointing 8.26 -> 8.08 GiB, the term
+    192 MiB; 1B 4 x 2048 2.07 -> 2.02 GiB, the term 48 MiB). Kept until the calibration is measured again
+    (benchmarks/calibrate_memory.py): until then it overestimates by that much, on the safe side.
     """
     return (shape.q_dim + 2 * shape.kv_dim) * dtype_bytes
 
