@@ -234,7 +234,7 @@ def test_torch_varlen_packed_loss_and_grads_match_sdpa(tokenizer, chat_examples)
 @pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
 def test_varlen_attention_matches_causal_sdpa_per_example_with_gradients(kv_heads):
     """aten's flash kernel on flattened examples, k/v with their own head count: outputs and q/k/v gradients
-    equal causal SDPA run on each example alone (k/v repeated to every head there)."""
+    equal causal SDPA run on each example alone (with its enable_gqa where k/v have fewer heads)."""
     from slimtune.train.attention import varlen_attention_forward
 
     torch.manual_seed(0)
