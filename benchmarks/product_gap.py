@@ -36,7 +36,7 @@ import torch
 
 from benchmarks.common import MODEL_SHAPES, random_batch, write_json_atomic
 from benchmarks.product import prepare_product, train_product
-from benchmarks.profile_step import _StepTimes
+from benchmarks.profile_step import StepTimes
 
 VARIANTS = ("hand", "hand_varlen", "hand_trainer_walks", "product")
 _EXAMPLE_TOKENS = 512  # packed example length for the hand loop's varlen variants
@@ -102,7 +102,7 @@ def measure(model_key: str, batches: list[int], seq: int, warmup: int, steps: in
         for r in range(rounds):
             for variant in VARIANTS:
                 if variant == "product":
-                    times = _StepTimes()
+                    times = StepTimes()
                     train_product(ps, f"gap-{model_key}-b{b}-r{r}", b, seq, warmup + steps + 1, "cuda", [times])
                     cycles[variant] += times.summary(warmup)["cycles_s"]
                     threads |= {t.name for t in threading.enumerate()}

@@ -219,7 +219,7 @@ class _StepProfiler(TrainerCallback):
                 self.python.disable()
 
 
-class _StepTimes(TrainerCallback):
+class StepTimes(TrainerCallback):
     """Host timestamps of each step's start and end (no profiler): the median time inside the step (forward,
     backward, clipping, optimizer) and between one step's end and the next's start (log line with its host
     sync, callbacks, the next batch's fetch)."""
@@ -284,10 +284,10 @@ def profile_product(
 
     total = warmup + steps + 1  # the window ends where step warmup+steps+1 begins
     ps = prepare_product(model_key, batch, seq, total, "cuda", scratch)
-    times = _StepTimes()
+    times = StepTimes()
     name = f"profile-{model_key}-b{batch}"
     train_product(ps, f"{name}-times", batch, seq, total, "cuda", callbacks=[times])  # unprofiled first
-    no_gc = _StepTimes()  # the same with Python's cyclic garbage collector off: does it cost per step?
+    no_gc = StepTimes()  # the same with Python's cyclic garbage collector off: does it cost per step?
     gc.freeze()
     gc.disable()
     try:
