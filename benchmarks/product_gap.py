@@ -13,6 +13,9 @@ in turn through:
   clipping over `model.parameters()` and `model.zero_grad()`;
 - `product`: `packed_sft` itself (Trainer, collator, callbacks), step cycles timed by a callback.
 
+It also times, on the same model, the host cost of Trainer's walks alone: the class's and, as `packed_sft`
+runs them, from `slimtune.train.walks.walks_from_lists` (`walks_host_ms`).
+
 Each is timed over whole step cycles (host clock, the GPU drained at the end); rounds alternate so a slow
 spell of the machine hits every variant. Rows give the median cycle per variant over all rounds.
 
@@ -68,6 +71,27 @@ def _hand_loop(model: torch.nn.Module, batch: dict, steps: int, walks: bool) -> 
     return times
 
 
+def walk_ms(model: torch.nn.Module, reps: int = 50) -> dict[str, float]:
+    """Host milliseconds of one step's Trainer walks (`train()`, `parameters()` for clipping, `zero_grad()`),
+    median of `reps`: as the model's class does them, and from `walks_from_lists` (what `packed_sft` uses)."""
+    from slimtune.train.walks import walks_from_lists
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        model.train()
+        for _ in model.parameters():
+            pass
+        model.zero_grad()
+        return time.perf_counter() - t0
+
+    out = {"class": statistics.median(once() for _ in range(reps)) * 1e3}
+    with walks_from_lists(model) as listed:
+        if not listed:
+            raise RuntimeError("walks_from_lists refused this model")
+        out["lists"] = statistics.median(once() for _ in range(reps)) * 1e3
+    return {k: round(v, 3) for k, v in out.items()}
+
+
 def _packed(unpacked: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The rows as the product's collator hands them to varlen attention: one flattened row of examples."""
     ids = unpacked["input_ids"].reshape(1, -1)
@@ -95,6 +119,8 @@ def measure(model_key: str, batches: list[int], seq: int, warmup: int, steps: in
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     rows: list[dict[str, Any]] = []
     threads: set[str] = set()
+    walks = walk_ms(model)
+    print(f"{model_key} Trainer walks per step: {walks['class']:.2f} ms by the class, {walks['lists']:.2f} ms listed")
     for b in batches:
         cycles: dict[str, list[float]] = {v: [] for v in VARIANTS}
         unpacked = random_batch(base.config.vocab_size, b, seq, "cuda")
@@ -134,7 +160,7 @@ def measure(model_key: str, batches: list[int], seq: int, warmup: int, steps: in
                 }
             )
             print(f"{model_key} b{b} {variant:>20}: {med:.4f} s/step ({med / hand:.3f}x hand)", flush=True)
-    return rows, sorted(threads)
+    return rows, sorted(threads), walks
 
 
 def main() -> int:
@@ -153,10 +179,12 @@ def main() -> int:
         return 2
     batches = [int(b) for b in args.batch.split(",")]
     with tempfile.TemporaryDirectory() as scratch:
-        rows, threads = measure(args.model, batches, args.seq, args.warmup, args.steps, args.rounds, Path(scratch))
+        rows, threads, walks = measure(
+            args.model, batches, args.seq, args.warmup, args.steps, args.rounds, Path(scratch)
+        )
     out = args.out / f"product-gap-{args.model}{'-' + args.tag if args.tag else ''}.json"
     meta = {"gpu": torch.cuda.get_device_name(), "args": {k: str(v) for k, v in vars(args).items()}}
-    write_json_atomic(out, meta | {"rows": rows, "threads_during_product": threads})
+    write_json_atomic(out, meta | {"rows": rows, "threads_during_product": threads, "walks_host_ms": walks})
     print(f"wrote {out}")
     return 0
 

@@ -74,6 +74,19 @@ _CATEGORIES = (
 )
 
 
+# CUDA runtime and driver calls that put work on the GPU: one per kernel, memset or copy
+_RUNTIME_CALLS = frozenset(
+    {
+        "cudaLaunchKernel",
+        "cuLaunchKernelEx",
+        "cuLaunchKernel",
+        "cudaLaunchKernelExC",
+        "cudaMemsetAsync",
+        "cudaMemcpyAsync",
+    }
+)
+
+
 def _category(name: str) -> str:
     for cat, keys in _CATEGORIES:
         if any(k in name for k in keys):
@@ -164,6 +177,14 @@ def summarize(prof, steps: int, wall: float, peak: int, config: str, batch: int,
     host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)[
         :25
     ]
+    launches: dict[str, float] = defaultdict(float)  # each launch, memset and copy by the host ops around it
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CPU and ev.name in _RUNTIME_CALLS:
+            chain, parent = [ev.name], ev.cpu_parent
+            while parent is not None and len(chain) < 4:
+                chain.append(parent.name)
+                parent = parent.cpu_parent
+            launches[" <- ".join(chain)] += 1 / steps
     return {
         "config": config,
         "batch": batch,
@@ -179,6 +200,9 @@ def summarize(prof, steps: int, wall: float, peak: int, config: str, batch: int,
         "top_host_ops": [
             {"name": e.key[:160], "self_cpu_s": round(e.self_cpu_time_total / 1e6 / steps, 5), "calls": e.count / steps}
             for e in host
+        ],
+        "launch_sources": [
+            {"chain": k[:300], "calls": round(v, 1)} for k, v in sorted(launches.items(), key=lambda kv: -kv[1])[:60]
         ],
         "notes": notes,
     }
@@ -314,6 +338,7 @@ def profile_product(
         stats = pstats.Stats(cb.python, stream=out).sort_stats("tottime")
         stats.print_stats(45)
         stats.print_callers(r"\(named_parameters\)|\(parameters\)|\(train\)", 12)
+        stats.sort_stats("cumulative").print_stats(70)  # where the host's time goes, by caller
         return {
             "config": "product",
             "batch": batch,
@@ -340,6 +365,9 @@ def _print(r: dict) -> None:
     print("   host ops by self CPU time per step:")
     for k in r["top_host_ops"][:18]:
         print(f"   {k['self_cpu_s']:.5f} s  x{k['calls']:<8.1f} {k['name'][:110]}")
+    print("   launches, memsets and copies per step, by the host ops that made them:")
+    for k in r["launch_sources"][:40]:
+        print(f"   x{k['calls']:<7.1f} {k['chain'][:160]}")
 
 
 def main() -> int:

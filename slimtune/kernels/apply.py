@@ -258,11 +258,10 @@ def _patch_rope(base: torch.nn.Module, family: str, patch: KernelPatch) -> int |
         # transformers' attention forward with RoPE done in place on the [B, T, H, D] projections
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, mod.head_dim)
-        q = mod.q_proj(hidden_states).view(hidden_shape)
-        k = mod.k_proj(hidden_states).view(hidden_shape)
+        q, k = mod.q_proj(hidden_states), mod.k_proj(hidden_states)  # rotated whole: see rope_
         v = mod.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if hasattr(mod, "q_norm"):  # Qwen3 normalises each head before rotating
-            q, k = mod.q_norm(q), mod.k_norm(k)
+            q, k = mod.q_norm(q.view(hidden_shape)), mod.k_norm(k.view(hidden_shape))
         cos, sin = position_embeddings
         q, k = rope_(q, k, cos, sin)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -409,11 +408,8 @@ def _patch_lora_nf4(
         return "peft with bitsandbytes support is not installed"
     from .lora_linear import adapters_in, lora_nf4_linear
 
-    # Adapters cast to the activation dtype by a checkpointed layer's first pass (no grad, training), taken
-    # by its recompute in backward: one cast per projection per step instead of three (forward, recompute,
-    # backward; ~450 of ~4,000 launches of a 1B step). The first pass always casts afresh, so an optimizer
-    # step in between is never missed; what a recompute took is dropped, so nothing outlives the step.
-    casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    casts = _AdapterCasts()
+    casts_ref = weakref.ref(casts)  # held by the model's hooks only: a kept traceback's frames do not hold it
 
     def impl(mod, original, x, *args, layer_output: bool, **kwargs):
         name = mod.active_adapters[0] if len(mod.active_adapters) == 1 else None
@@ -435,11 +431,14 @@ def _patch_lora_nf4(
         dtype = getattr(layer, "compute_dtype", None) or x.dtype
         lora_a, lora_b = mod.lora_A[name].weight, mod.lora_B[name].weight
         again = recomputing()
-        ab = casts.pop(id(mod), None) if again else None
-        if ab is None or ab[0].dtype != dtype:
+        # the first pass of an "unsloth" checkpointed layer (training, no grad) keeps its casts for the recompute
+        keep = not again and mod.training and not torch.is_grad_enabled()
+        state = casts_ref()
+        ab = state.take(mod, name, dtype, keep, again) if state is not None else None
+        if ab is None:
             ab = adapters_in(lora_a, lora_b, dtype)
-            if mod.training and not torch.is_grad_enabled():
-                casts[id(mod)] = ab
+            if keep and state is not None:
+                state.put(mod, name, ab)
         y = lora_nf4_linear(
             x.to(dtype),
             layer.weight,
@@ -463,8 +462,86 @@ def _patch_lora_nf4(
             if qs is not None and qs.quant_type == "nf4":
                 last = layer_output is not None and path.endswith(layer_output)
                 _replace_forward(mod, impl, patch, layer_output=last)
+                casts.modules.append(weakref.ref(mod))
                 count += 1
+    if count:
+        patch._undo.append(casts.drop)  # the patch owns the casts; the forwards reach them weakly
+
+        def refreshing(mod, original, *args, **kwargs):
+            state = casts_ref()
+            if state is None:
+                return original(*args, **kwargs)
+            state.refresh()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                state.settle()
+
+        # not a forward hook: with hooks, Module.__call__ runs the forward from a closure over the module, which
+        # a kept OOM traceback would keep alive with the whole model (test_gpu_flow's OOM recovery)
+        _replace_forward(base, refreshing, patch)
     return count or "no peft LoRA layers over bitsandbytes NF4 weights"
+
+
+class _AdapterCasts:
+    """Every patched projection's adapters cast to its compute dtype at the start of each model forward, in
+    one multi-tensor copy (4 launches for the 224 adapters of a 1B model) where casting per projection took
+    one launch per adapter, 224 of ~3,000 launches of a 1B step (benchmarks/profile_step.py launch sources).
+
+    Cast afresh every forward: an optimizer step in between is never missed, even one that does not bump the
+    adapters' versions (fused AdamW does not). A projection takes its casts once; the first pass of an
+    "unsloth" checkpointed layer keeps them for its recompute in backward, which takes them then. What the
+    forward did not take is dropped when it returns, so no cast outlives the step.
+    """
+
+    def __init__(self) -> None:
+        self.modules: list[weakref.ReferenceType[torch.nn.Module]] = []
+        self.casts: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
+        self.kept: set[int] = set()
+        self.inside = False  # within a forward of the model: what refresh cast is current
+
+    def refresh(self) -> None:
+        """At the model's forward: cast every projection's active adapter."""
+        from .lora_linear import adapters_in_bulk
+
+        groups: dict[torch.dtype, list[tuple[int, str, torch.Tensor, torch.Tensor]]] = {}
+        for ref in self.modules:
+            mod = ref()
+            dtype = getattr(getattr(mod, "base_layer", None), "compute_dtype", None)
+            if dtype is None or len(mod.active_adapters) != 1 or mod.active_adapters[0] not in mod.lora_A:
+                continue  # the projection casts for itself, if it takes the fast path at all
+            name = mod.active_adapters[0]
+            groups.setdefault(dtype, []).append((id(mod), name, mod.lora_A[name].weight, mod.lora_B[name].weight))
+        self.casts, self.kept, self.inside = {}, set(), True
+        for dtype, items in groups.items():
+            made = adapters_in_bulk([(a, b) for _, _, a, b in items], dtype)
+            self.casts.update((key, (name, a, b)) for (key, name, _, _), (a, b) in zip(items, made, strict=True))
+
+    def settle(self) -> None:
+        """When the model's forward returns: keep only the casts a recompute will take."""
+        self.casts = {key: entry for key, entry in self.casts.items() if key in self.kept}
+        self.inside = False
+
+    def drop(self) -> None:
+        self.casts, self.kept, self.inside = {}, set(), False
+
+    def take(
+        self, mod: torch.nn.Module, name: str, dtype: torch.dtype, keep: bool, recompute: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`mod`'s casts, or None: none current (a call outside the model's forward), another adapter or dtype."""
+        if not (self.inside or recompute):
+            return None
+        entry = self.casts.get(id(mod)) if keep else self.casts.pop(id(mod), None)
+        if entry is None or entry[0] != name or entry[1].dtype != dtype:
+            return None
+        if keep:
+            self.kept.add(id(mod))
+        return entry[1], entry[2]
+
+    def put(self, mod: torch.nn.Module, name: str, ab: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """A first pass's own casts, for its recompute."""
+        self.casts[id(mod)] = (name, *ab)
+        self.kept.add(id(mod))
 
 
 def _patch_host_embedding(base: torch.nn.Module, family: str, patch: KernelPatch) -> int | str:

@@ -59,14 +59,25 @@ class _LoRANF4Fn(torch.autograd.Function):
         dyb = dy2.new_empty((dy2.shape[0], b.shape[1])).addmm_(dy2, b, beta=0, alpha=scale)  # scale * dy B: [tokens, r]
         d_a = d_b = dx = None
         if ctx.needs_input_grad[5]:
-            d_b = xa.new_empty(b.shape).addmm_(dy2.t(), xa, beta=0, alpha=scale).to(b_dtype)
+            d_b = _low_rank_grad(dy2.t(), xa, scale, b_dtype)
         if ctx.needs_input_grad[4]:
-            d_a = (dyb.t() @ x2).to(a_dtype)
+            d_a = _low_rank_grad(dyb.t(), x2, 1.0, a_dtype)
         if ctx.needs_input_grad[0]:
             dx = dyb @ a
             dx.addmm_(dy2, dequantize_nf4_scratch(packed, ctx.quant_state, dtype))
             dx = dx.view(ctx.x_shape)
         return dx, None, None, None, d_a, d_b, None, None, None
+
+
+def _low_rank_grad(m1: torch.Tensor, m2: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
+    """`alpha * m1 @ m2` in the adapter's `dtype`. On CUDA cuBLAS writes it in that dtype (fp32 accumulators
+    stored as they are: one launch, no bf16 rounding) where a matmul in the activation dtype and a cast were
+    two launches per adapter, 224 of ~3,000 in a 1B step (benchmarks/profile_step.py launch sources)."""
+    shape = (m1.shape[0], m2.shape[1])
+    if m1.is_cuda and dtype == torch.float32 and m1.dtype in (torch.bfloat16, torch.float16):
+        return torch.addmm(m1.new_empty(shape, dtype=dtype), m1, m2, out_dtype=dtype, beta=0, alpha=alpha)
+    product = m1.new_empty(shape).addmm_(m1, m2, beta=0, alpha=alpha)
+    return product if product.dtype == dtype else product.to(dtype)  # CPU: no mixed-dtype GEMM
 
 
 def lora_nf4_linear(
@@ -99,6 +110,17 @@ def lora_nf4_linear(
 def adapters_in(lora_a: torch.Tensor, lora_b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The adapters cast to the activation dtype, outside autograd (their gradients come from the Function)."""
     return lora_a.detach().to(dtype), lora_b.detach().to(dtype)
+
+
+def adapters_in_bulk(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`adapters_in` for many layers in one multi-tensor copy: a few launches on CUDA, not one per adapter."""
+    sources = [t for pair in pairs for t in pair]
+    casts = [torch.empty_like(t, dtype=dtype) for t in sources]
+    with torch.no_grad():
+        torch._foreach_copy_(casts, sources)
+    return list(zip(casts[0::2], casts[1::2], strict=True))
 
 
 def reference_lora_nf4_linear(

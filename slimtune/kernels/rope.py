@@ -108,11 +108,13 @@ def _rotate_(
 
 
 class _RopeFn(torch.autograd.Function):
-    # one tensor per call: autograd refuses a Function that dirties a view and returns two tensors,
-    # and q/k are views of their projection outputs
+    # One tensor per call: autograd refuses a Function that dirties a view and returns two tensors. A
+    # projection output passed whole ([B, T, H*D], no view) is dirtied as it is: a view of it would make
+    # autograd wrap this Function in CopySlices, a clone and a copy of q and of k in every backward (64
+    # DtoD copies and 64 launches of a 1B step, benchmarks/profile_step.py launch sources).
     @staticmethod
     def forward(ctx, x, cos, sin, position_ids):
-        _rotate_(x, cos, sin, position_ids, 1.0)
+        _rotate_(_heads(x, cos), cos, sin, position_ids, 1.0)
         ctx.mark_dirty(x)
         ctx.save_for_backward(cos, sin, position_ids)
         return x
@@ -121,23 +123,30 @@ class _RopeFn(torch.autograd.Function):
     def backward(ctx, dx):
         cos, sin, position_ids = ctx.saved_tensors
         # autograd hands this Function a gradient buffer nothing else reads; a copy only if it is strided
-        dx = dx if dx.stride(-1) == 1 else dx.contiguous()
-        _rotate_(dx, cos, sin, position_ids, -1.0)
-        return dx, None, None, None
+        heads = _heads(dx if dx.stride(-1) == 1 else dx.contiguous(), cos)
+        _rotate_(heads, cos, sin, position_ids, -1.0)
+        return heads.reshape(dx.shape), None, None, None
+
+
+def _heads(x: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """`x` as [B, T, H, D], D being the rotary dimension (the last of `cos`): a view where strides allow."""
+    return x if x.dim() == 4 else x.reshape(*x.shape[:2], -1, cos.shape[-1])
 
 
 def rope_(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [B, T, Hq, D] and k [B, T, Hk, D] in place and return them.
+    """Rotate q and k in place and return them as [B, T, H, D].
 
     Args:
-        q, k: query/key states in token-major layout (the layout of a projection's output before
-            `.transpose(1, 2)`); their last dimension must be contiguous.
+        q, k: query/key states in token-major layout: [B, T, H, D], or the projection outputs themselves
+            ([B, T, H*D], the head dimension being the last of `cos`: full rotary only), which autograd
+            tracks more cheaply than a view of them. Their last dimension must be contiguous.
         cos, sin: [B or 1, T, D] per-token values, or a [P, D] table when `position_ids` is given.
         position_ids: [B, T] or [1, T] row index into the table; packed examples restart at 0.
     """
-    return _RopeFn.apply(q, cos, sin, position_ids), _RopeFn.apply(k, cos, sin, position_ids)
+    q, k = _RopeFn.apply(q, cos, sin, position_ids), _RopeFn.apply(k, cos, sin, position_ids)
+    return _heads(q, cos), _heads(k, cos)
 
 
 def reference_rope(

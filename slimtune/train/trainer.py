@@ -42,6 +42,7 @@ from slimtune.train.attention import prefer_varlen
 from slimtune.train.callbacks import LogCallback, PrefectProgressCallback, run_logger
 from slimtune.train.fp32_rope import keep_rope_fp32
 from slimtune.train.options import choose_batching, model_device, resolve_optimizer, resolve_precision, scheduler_name
+from slimtune.train.walks import walks_from_lists
 
 log = logging.getLogger(__name__)
 
@@ -349,8 +350,11 @@ def train_adapter(
         if resume_from is not None and _finished(resume_from):
             _restore_finished(trainer, model, resume_from)
         else:
+            # one process: Trainer's per-step walks of the model from lists (DDP and FSDP wrap modules in train())
+            walks = walks_from_lists(model) if args.world_size == 1 else contextlib.nullcontext()
             try:
-                trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+                with walks:
+                    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
             except Exception as e:
                 if not checkpoints.is_disk_full(e):  # the checkpoints are training's only large writes
                     raise

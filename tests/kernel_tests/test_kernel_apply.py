@@ -99,11 +99,14 @@ def test_apply_matches_eager_and_undo_restores(family):
 # llama; gemma2, whose post-feedforward norm reads down_proj's output; phi3, whose projections are fused
 @pytest.fixture(scope="module", params=["llama", "gemma2", "phi3"])
 def tiny_qlora(tmp_path_factory, request):
+    family = request.param
+    return _qlora(save_tiny(tmp_path_factory.mktemp("tiny") / family, family, num_hidden_layers=1), family)
+
+
+def _qlora(path, family: str):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    family = request.param
-    path = save_tiny(tmp_path_factory.mktemp("tiny") / family, family, num_hidden_layers=1)
     quant = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
@@ -179,9 +182,10 @@ def test_unsloth_checkpointing_with_kernels_gives_the_same_lora_gradients(tiny_q
 
 
 def test_unsloth_recompute_reuses_the_forward_casts_and_sees_each_update(tiny_qlora, monkeypatch):
-    """Under "unsloth" checkpointing each projection casts its adapters once per step (the recompute takes the
-    forward's casts), and a step after an in-place update of the adapters (as an optimizer makes, which need
-    not bump their version) trains on the updated values: its gradients equal peft's, kernels off."""
+    """Under "unsloth" checkpointing the adapters are cast once per step, all projections in one bulk copy at
+    the model's forward (the recompute takes the forward's casts), and a step after an in-place update of the
+    adapters (as an optimizer makes, which need not bump their version) trains on the updated values: its
+    gradients equal peft's, kernels off."""
     from slimtune.kernels import lora_linear
     from slimtune.memory.checkpointing import enable_checkpointing, recomputing
 
@@ -192,19 +196,25 @@ def test_unsloth_recompute_reuses_the_forward_casts_and_sees_each_update(tiny_ql
     saved = [p.detach().clone() for p in adapters]
     for p in adapters:  # fp64 adapters over fp32 compute: the casts are copies, so a stale one would show
         p.data = p.data.double()
-    made = []
-    original = lora_linear.adapters_in
+    made, bulk = [], []
+    one, many = lora_linear.adapters_in, lora_linear.adapters_in_bulk
 
     def spy(a, b, dtype):
         made.append(dtype)
-        return original(a, b, dtype)
+        return one(a, b, dtype)
+
+    def spy_bulk(pairs, dtype):
+        bulk.append(len(pairs))
+        return many(pairs, dtype)
 
     monkeypatch.setattr(lora_linear, "adapters_in", spy)
+    monkeypatch.setattr(lora_linear, "adapters_in_bulk", spy_bulk)
     handle = enable_checkpointing(model, "unsloth")
     patch = apply_kernels(model, list(KERNEL_NAMES), recomputing=recomputing)
     try:
         _step(model, batch)
-        assert len(made) == len(model.peft_config["default"].target_modules)  # one layer: once per projection
+        # one layer: one bulk cast of every projection, none of its own (not even in the recompute)
+        assert bulk == [len(model.peft_config["default"].target_modules)] and made == []
         with torch.no_grad():
             for p in adapters:
                 p.add_(0.1 * torch.randn_like(p))
@@ -257,6 +267,31 @@ def test_a_kept_traceback_does_not_keep_a_patched_model_alive():
         model(**batch)
     kept = info.value
     traceback.clear_frames(kept.__traceback__)  # what the guard does before Prefect keeps the error
+    alive = weakref.ref(model)
+    del model, patch, info
+    gc.collect()
+    assert kept.__traceback__ is not None and alive() is None
+
+
+def test_a_kept_traceback_does_not_keep_a_patched_qlora_model_alive(tmp_path):
+    """The same through lora_nf4, whose bulk adapter casts wrap the model's own forward. As forward hooks on the
+    model they kept it alive: Module.__call__ then runs the forward from a closure over the module, and the
+    traceback keeps that closure (the H100 OOM-recovery test found it)."""
+    import gc
+    import traceback
+    import weakref
+
+    model = _qlora(save_tiny(tmp_path / "llama", "llama", num_hidden_layers=1), "llama")
+    patch = apply_kernels(model, ["rope", "fused_linear_ce", "lora_nf4"])
+    assert patch.modules["lora_nf4"] == len(LORA_TARGETS)
+    batch = _batch(model.get_base_model().config.vocab_size)
+    q_proj = model.get_base_model().model.layers[0].self_attn.q_proj
+    q_proj.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    del q_proj
+    with pytest.raises(RuntimeError) as info:
+        model(**batch)
+    kept = info.value
+    traceback.clear_frames(kept.__traceback__)
     alive = weakref.ref(model)
     del model, patch, info
     gc.collect()

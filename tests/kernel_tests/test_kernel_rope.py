@@ -72,3 +72,45 @@ def test_rope_is_in_place():
     q, k = torch.randn(B, T, HQ, D), torch.randn(B, T, HK, D)
     qo, ko = rope_(q, k, cos.unsqueeze(0), sin.unsqueeze(0))
     assert qo.data_ptr() == q.data_ptr() and ko.data_ptr() == k.data_ptr()
+
+
+def _graph_nodes(fn) -> set[str]:
+    seen, todo = set(), [fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(next_fn for next_fn, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
+
+
+def test_rope_on_whole_projection_outputs_matches_and_needs_no_copy_slices():
+    """The attention patch hands rope_ the projection outputs [B, T, H*D] themselves, not views of them: the
+    same values and gradients as the reference, and autograd records no CopySlices (a clone and a copy of
+    q and k per backward), which rotating a view in place makes it record."""
+    torch.manual_seed(1)
+    cos, sin = _table(16, D)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]])
+    x = torch.randn(B, T, 8)
+    wq, wk = torch.randn(HQ * D, 8, requires_grad=True), torch.randn(HK * D, 8, requires_grad=True)
+    gq, gk = torch.randn(B, T, HQ, D), torch.randn(B, T, HK, D)
+
+    def run(fn, whole: bool):
+        q, k = x @ wq.t(), x @ wk.t()
+        if not whole:
+            q, k = q.view(B, T, HQ, D), k.view(B, T, HK, D)
+        qo, ko = fn(q, k, cos, sin, pos) if fn is rope_ else fn(q.view(B, T, HQ, D), k.view(B, T, HK, D), cos, sin, pos)
+        loss = (qo * gq).sum() + (ko * gk).sum()
+        nodes = _graph_nodes(loss.grad_fn)
+        grads = torch.autograd.grad(loss, (wq, wk))
+        return qo.shape, ko.shape, qo.detach(), ko.detach(), grads, nodes
+
+    *got, got_nodes = run(rope_, whole=True)
+    *ref, _ = run(reference_rope, whole=True)
+    assert tuple(got[:2]) == tuple(ref[:2]) == (torch.Size([B, T, HQ, D]), torch.Size([B, T, HK, D]))
+    torch.testing.assert_close(got[2:4], ref[2:4], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[4], ref[4], rtol=1e-5, atol=1e-5)
+    assert "CopySlices" not in got_nodes
+    *_, view_nodes = run(rope_, whole=False)
+    assert "CopySlices" in view_nodes  # the check can fail: rotating views in place records it
