@@ -409,7 +409,7 @@ def _patch_lora_nf4(
     from .lora_linear import adapters_in, lora_nf4_linear
 
     casts = _AdapterCasts()
-    casts_ref = weakref.ref(casts)  # held by the model's hooks only: a kept traceback's frames do not hold it
+    casts_ref = weakref.ref(casts)  # the patch holds the casts; a kept traceback's frames (these closures) do not
 
     def impl(mod, original, x, *args, layer_output: bool, **kwargs):
         name = mod.active_adapters[0] if len(mod.active_adapters) == 1 else None
