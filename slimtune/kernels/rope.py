@@ -110,8 +110,8 @@ def _rotate_(
 class _RopeFn(torch.autograd.Function):
     # One tensor per call: autograd refuses a Function that dirties a view and returns two tensors. A
     # projection output passed whole ([B, T, H*D], no view) is dirtied as it is: a view of it would make
-    # autograd wrap this Function in CopySlices, a clone and a copy of q and of k in every backward (64
-    # DtoD copies and 64 launches of a 1B step, benchmarks/profile_step.py launch sources).
+    # autograd wrap this Function in CopySlices, a clone and copies of q and of k in every backward (128
+    # copies of a 1B step, benchmarks/profile_step.py launch sources).
     @staticmethod
     def forward(ctx, x, cos, sin, position_ids):
         _rotate_(_heads(x, cos), cos, sin, position_ids, 1.0)
