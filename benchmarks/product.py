@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import statistics
 import time
 import traceback
@@ -121,7 +122,10 @@ def prepare_product(
     from slimtune.tiny import build_tokenizer
 
     root = Path(scratch) / f"product-{model_key}"
-    (root / "model").mkdir(parents=True, exist_ok=True)
+    # A run folder left by an earlier worker would make packed_sft resume that finished run: nothing trained,
+    # the old report timed again (seen on a warm device machine). Every setup starts empty.
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "model").mkdir(parents=True)
     t0 = time.perf_counter()
     model = build_random_model(MODEL_SHAPES[model_key], device)
     model.config.save_pretrained(root / "model")  # the spec names a model folder: config and tokenizer only
@@ -201,6 +205,8 @@ def product_worker(
 
 def report_stats(report, warmup: int) -> dict[str, Any]:
     """tokens/s of the steps after warm-up, from the train report's per-step log entries."""
+    if report.resumed_from:
+        raise RuntimeError(f"packed_sft resumed {report.resumed_from} instead of training: not a measurement")
     timed = [e for e in report.losses if e["step"] > warmup and e.get("tokens_per_s")]
     if not timed:
         raise RuntimeError(f"the train report has no step after warm-up {warmup}: {report.losses}")

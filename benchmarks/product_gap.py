@@ -6,6 +6,9 @@ another (benchmarks/README.md), so "product ÷ hand loop" from two processes mix
 the gap. Here one model, prepared as `attach_lora` prepares it (kernels, "unsloth" checkpointing), trains
 in turn through:
 
+- `harness`: the README table's `ours` row as `runner.py` measures it, on a second model built as `runner.py`
+  builds it (bf16 autocast, fused AdamW, each step bracketed by synchronizes): the hand loop of the table,
+  in the product's process;
 - `hand`: the harness's loop (random unpacked rows, SDPA, fused AdamW, `zero_grad(set_to_none)`);
 - `hand_varlen`: the same rows split into packed examples (restarting position ids), so attention takes the
   product's varlen path;
@@ -41,7 +44,7 @@ from benchmarks.common import MODEL_SHAPES, random_batch, write_json_atomic
 from benchmarks.product import prepare_product, train_product
 from benchmarks.profile_step import StepTimes
 
-VARIANTS = ("hand", "hand_varlen", "hand_trainer_walks", "product")
+VARIANTS = ("harness", "hand", "hand_varlen", "hand_trainer_walks", "product")
 _EXAMPLE_TOKENS = 512  # packed example length for the hand loop's varlen variants
 
 
@@ -69,6 +72,29 @@ def _hand_loop(model: torch.nn.Module, batch: dict, steps: int, walks: bool) -> 
         times.append(now - t0)
         t0 = now
     return times
+
+
+def _harness(model_key: str, batch: dict):
+    """The second model, prepared as `runner.py`'s `ours` row, and a function timing n of its steps."""
+    from benchmarks.common import attach_lora, build_random_model, quantize_nf4_, run_steps, trainable_parameters
+    from benchmarks.runner import _prepare
+
+    model = build_random_model(MODEL_SHAPES[model_key], "cuda")
+    quantize_nf4_(model)
+    model = attach_lora(model)
+    loss_fn, _, _ = _prepare("ours", model)
+    model.train()
+    opt = torch.optim.AdamW(trainable_parameters(model), lr=1e-4, fused=True)
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return model, lambda n: run_steps(step, 0, n, "cuda")[0]
 
 
 def walk_ms(model: torch.nn.Module, reps: int = 50) -> dict[str, float]:
@@ -125,8 +151,12 @@ def measure(model_key: str, batches: list[int], seq: int, warmup: int, steps: in
         cycles: dict[str, list[float]] = {v: [] for v in VARIANTS}
         unpacked = random_batch(base.config.vocab_size, b, seq, "cuda")
         packed = _packed(unpacked)
+        harness_model, harness = _harness(model_key, unpacked)
         for r in range(rounds):
             for variant in VARIANTS:
+                if variant == "harness":
+                    cycles[variant] += harness(warmup + steps)[warmup:]
+                    continue
                 if variant == "product":
                     times = StepTimes()
                     train_product(ps, f"gap-{model_key}-b{b}-r{r}", b, seq, warmup + steps + 1, "cuda", [times])
@@ -143,6 +173,8 @@ def measure(model_key: str, batches: list[int], seq: int, warmup: int, steps: in
                     cycles[variant] += _hand_loop(model, data, warmup + steps, walks)[warmup:]
                 finally:
                     base.config._attn_implementation = attn
+        del harness_model, harness
+        torch.cuda.empty_cache()
         hand = statistics.median(cycles["hand"])
         for variant in VARIANTS:
             med = statistics.median(cycles[variant])

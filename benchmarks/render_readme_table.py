@@ -101,6 +101,7 @@ def render_section(results: list[dict[str, Any]]) -> str:
         "(slimtune's kernels in that hand loop) is a diagnostic. Peak GPU memory is the allocator's "
         "high-water mark over all steps; host RSS is the worker process's peak, sampled every 20 ms from a "
         "child process. A config whose package was absent says `not installed`: no number is ever estimated.",
+        *_rounds_sentence(results),
         "",
         "Command (on the GPU machine, after installing the carried wheels as in benchmarks/README.md):",
         "",
@@ -111,6 +112,19 @@ def render_section(results: list[dict[str, Any]]) -> str:
         render_markdown(merge_results(results)).rstrip(),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _rounds_sentence(results: list[dict[str, Any]]) -> list[str]:
+    """Say how rows of a `--rounds` command were combined, when one is among the results."""
+    rounds = sorted({res.get("settings", {}).get("rounds", 1) for res in results} - {1})
+    if not rounds:
+        return []
+    return [
+        "",
+        f"A command with `--rounds {' / '.join(map(str, rounds))}` ran each of its configs that many times, in its own "
+        "process each time, every other round in reverse order; its rows give the median round, and each round's "
+        "tokens/s is listed under the table.",
+    ]
 
 
 def replace_in_readme(readme: Path, section: str) -> None:

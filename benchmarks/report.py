@@ -6,6 +6,7 @@ committed table and the run's own table can never disagree in layout or rounding
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from benchmarks.common import CONFIGS, MODEL_SHAPES
@@ -18,6 +19,53 @@ def _ratio(row: dict, base: dict, key: str) -> float | None:
     if row["status"] != "ok" or base["status"] != "ok" or not row.get(key) or not base.get(key):
         return None
     return round(row[key] / base[key], 3)
+
+
+_PEAK_KEYS = ("peak_allocated_gib", "peak_reserved_gib", "host_rss_peak_gib")
+
+
+def combine_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (model, config, batch, seq) from the rows of every round (`runner.py --rounds`).
+
+    The device's 16 virtual cores differ in speed, and which are slow changes (core_speed.py): a host-bound
+    step (1B, batch 1) took 0.16 s in one process and 0.25 s in another (benchmarks/README.md), so a single
+    process per config mixes that noise into every ratio. With rounds, each config runs once per round,
+    rounds alternating the order. The row keeps the median tokens/s over rounds (each round's in
+    `tokens_per_s_rounds`), the fastest and slowest step of any round, and the highest memory peaks. A round
+    that failed makes the row that failure: a config is only as good as its worst round. A round the time
+    budget never let run ("timeout") is left out where another round measured the config.
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["config"], r["batch"], r["seq"]), []).append(r)
+    out = []
+    for group in groups.values():
+        group = [r for r in group if r["status"] != "timeout"] or group
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        failed = [r for r in group if r["status"] != "ok"]
+        if failed:
+            out.append({**failed[0], "rounds": len(group)})
+            continue
+        speeds = [r["tokens_per_s"] for r in group]
+        row = {**group[0], "rounds": len(group), "tokens_per_s_rounds": speeds}
+        row["tokens_per_s"] = round(statistics.median(speeds), 1)
+        for key, pick in (
+            ("step_s_min", min),
+            ("tokens_per_s_min", min),
+            ("step_s_max", max),
+            ("tokens_per_s_max", max),
+        ):
+            if all(r.get(key) is not None for r in group):
+                row[key] = pick(r[key] for r in group)
+        if all(r.get("step_s_median") is not None for r in group):
+            row["step_s_median"] = round(statistics.median(r["step_s_median"] for r in group), 4)
+        for key in _PEAK_KEYS:
+            if all(r.get(key) is not None for r in group):
+                row[key] = max(r[key] for r in group)
+        out.append(row)
+    return out
 
 
 def compute_ratios(rows: list[dict]) -> list[dict]:
@@ -137,6 +185,7 @@ def render_markdown(result: dict) -> str:
             f"{_cell(r.get('peak_reserved_gib'))} | {_cell(r.get('host_rss_peak_gib'))} | {loss} | "
             f"{status} |"
         )
+    lines += _rounds_lines(result["rows"], names)
     lines += _ratio_table(compute_ratios(result["rows"]), names)
     export = result.get("export") or []
     if export:
@@ -154,6 +203,20 @@ def render_markdown(result: dict) -> str:
                 f"{_cell(e.get('host_rss_peak_gib'))} | {written} | {status} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _rounds_lines(rows: list[dict], names: dict[str, str]) -> list[str]:
+    """Each round's tokens/s per row, where rows combine rounds: the spread the medians above hide."""
+    multi = [r for r in sort_rows(rows) if len(r.get("tokens_per_s_rounds") or ()) > 1]
+    if not multi:
+        return []
+    lines = ["", "tokens/s of each round (the table gives their median; rounds alternate the config order):", ""]
+    for r in multi:
+        each = ", ".join(_cell(float(v)) for v in r["tokens_per_s_rounds"])
+        lines.append(
+            f"- {names.get(r['model'], r['model'])}, batch {r['batch']}, seq {r['seq']}, {r['config']}: {each}"
+        )
+    return lines
 
 
 def _ratio_table(ratios: list[dict], names: dict[str, str]) -> list[str]:

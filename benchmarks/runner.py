@@ -22,7 +22,7 @@ what it finished; workers run group by group (HF and ours on every model first, 
 
 Usage:
   python3 benchmarks/runner.py --models 1b,8b,qwen7b --configs hf_gc,hf_nogc,liger,unsloth,ours \
-      --batch 1,4 --seq 2048 --warmup 2 --steps 5 --out "$OUT" [--merge] [--gguf] [--budget-s 560]
+      --batch 1,4 --seq 2048 --warmup 2 --steps 5 --out "$OUT" [--rounds 2] [--merge] [--gguf] [--budget-s 560]
 Writes OUT/bench.json (env, rows, ratios against hf_gc, merge/GGUF export, worker overheads) and
 OUT/bench.md (the tables).
 """
@@ -74,7 +74,7 @@ from benchmarks.common import (
     write_text_atomic,
 )
 from benchmarks.product import PRODUCT_CONFIGS, product_worker
-from benchmarks.report import compute_ratios, render_markdown
+from benchmarks.report import combine_rounds, compute_ratios, render_markdown
 from slimtune.families import lora_target_modules
 
 # Headline comparison first (baseline, product, hand loop, Unsloth), diagnostics last, so a run cut short by the
@@ -488,6 +488,7 @@ def _fill_missing(
 
 
 def _write(result: dict[str, Any], out: Path) -> None:
+    result["rows"] = combine_rounds(result["round_rows"])
     result["ratios"] = compute_ratios(result["rows"])  # kept in the JSON for whoever reads it without us
     write_json_atomic(out / "bench.json", result)
     write_text_atomic(out / "bench.md", render_markdown(result))
@@ -496,19 +497,27 @@ def _write(result: dict[str, Any], out: Path) -> None:
 def _plan(args: argparse.Namespace) -> list[tuple]:
     """Group-major order (`_GROUPS`), so that a run cut short by the budget still holds complete comparisons;
     merge/GGUF exports run just before Unsloth (the slowest to set up: it imports for ~20 s and must save and
-    reload the weights)."""
+    reload the weights). With `--rounds`, the training groups again per round, every other round in reverse
+    order so that a slow spell of the machine does not always fall on the same config; exports run once."""
     plan: list[tuple] = []
     exports = (("prep", args.merge or args.gguf), ("merge", args.merge), ("gguf", args.gguf))
-    for group in _GROUPS:
-        if group == ("unsloth",):
-            plan += [("export", step) for step, wanted in exports if wanted]
-        configs = [c for c in group if c in args.configs]
-        plan += [("train", m, configs) for m in args.models] if configs else []
+    for rnd in range(args.rounds):
+        for group in _GROUPS if rnd % 2 == 0 else _GROUPS[::-1]:
+            if group == ("unsloth",) and rnd == 0:
+                plan += [("export", step) for step, wanted in exports if wanted]
+            configs = [c for c in group if c in args.configs]
+            plan += [("train", m, configs, rnd) for m in args.models] if configs else []
     return plan
 
 
 def _run_training_group(
-    args: argparse.Namespace, model_key: str, configs: list[str], work: Path, deadline: float, result: dict[str, Any]
+    args: argparse.Namespace,
+    model_key: str,
+    configs: list[str],
+    rnd: int,
+    work: Path,
+    deadline: float,
+    result: dict[str, Any],
 ) -> None:
     missing = [c for c in configs if c in _NEEDS and importlib.util.find_spec(_NEEDS[c]) is None]
     if missing == configs:  # nothing to run: say so without paying a worker's start-up
@@ -530,7 +539,7 @@ def _run_training_group(
         )
         worker = {"cmd": "in-process", "rc": 0, "ended": "exited", "records": recs, "wall_s": None}
     else:
-        tag = f"{model_key}-{'-'.join(configs)}"
+        tag = f"{model_key}-{'-'.join(configs)}-r{rnd}"
         rows_out, log = work / f"{tag}.jsonl", work / f"{tag}.log"
         kind = "unsloth" if configs == ["unsloth"] else "product" if configs[0] in PRODUCT_CONFIGS else "train"
         print(f"== {tag}", flush=True)
@@ -541,8 +550,8 @@ def _run_training_group(
     rows = [r for r in records if r["kind"] == "row"]
     worker["setup"] = [r for r in records if r["kind"] == "setup"]
     rows += _fill_missing(rows, model_key, configs, args.batch, args.seq, worker["ended"], worker.get("log_tail", ""))
-    result["rows"] += rows
-    result["workers"].append({"model": model_key, "configs": configs, **worker})
+    result["round_rows"] += [{**r, "round": rnd} for r in rows]
+    result["workers"].append({"model": model_key, "configs": configs, "round": rnd, **worker})
 
 
 def _run_export_step(args: argparse.Namespace, step: str, work: Path, deadline: float, result: dict[str, Any]) -> None:
@@ -582,6 +591,7 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "seq": args.seq,
             "warmup": args.warmup,
             "steps": args.steps,
+            "rounds": args.rounds,
             "lora_rank": LORA_RANK,
             "quant": "nf4 + double quant",
             "autocast": "bf16",
@@ -589,7 +599,8 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "tokens_per_s": "batch * seq / median timed step; product rows: real (unpadded) tokens / median step "
             "of the train report after warm-up",
         },
-        "rows": [],
+        "rows": [],  # one per (model, config, batch, seq): `round_rows` combined (`report.combine_rounds`)
+        "round_rows": [],
         "ratios": [],
         "export": [],
         "workers": [],
@@ -598,7 +609,7 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     try:
         for task in _plan(args):
             if task[0] == "train":
-                _run_training_group(args, task[1], task[2], work, deadline, result)
+                _run_training_group(args, task[1], task[2], task[3], work, deadline, result)
             else:
                 _run_export_step(args, task[1], work, deadline, result)
             _write(result, out)
@@ -625,6 +636,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile, autotune, allocator)")
     p.add_argument("--steps", type=int, default=5, help="timed steps; tokens/s uses their median")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every training group this many times, alternating the order; rows give the median round",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
@@ -661,8 +678,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [m for m in args.models if m not in MODEL_SHAPES] + [c for c in args.configs if c not in CONFIGS]
     if bad:
         p.error(f"unknown model/config {bad}; models: {', '.join(MODEL_SHAPES)}; configs: {', '.join(CONFIGS)}")
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        p.error("--steps and --rounds must be >= 1 and --warmup >= 0")
     return args
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import render_readme_table, runner
 from benchmarks.common import MODEL_SHAPES
-from benchmarks.report import compute_ratios, render_markdown
+from benchmarks.report import combine_rounds, compute_ratios, render_markdown
 
 MEASURED = ("tokens_per_s", "step_s_min", "step_s_median", "step_s_max", "loss_first", "loss_last", "host_rss_peak_gib")
 
@@ -148,20 +148,49 @@ def test_export_hooks_time_slimtune_merge_and_gguf(tmp_path: Path) -> None:
 
 def test_product_rows_come_from_the_train_report(tmp_path: Path) -> None:
     # The product config runs slimtune's attach_lora + packed_sft on the toy shape; its speed is the train
-    # report's per-step tokens/s after warm-up, never a number the harness timed itself.
+    # report's per-step tokens/s after warm-up, never a number the harness timed itself. Two rounds in one
+    # scratch folder: the second must train afresh, not resume the first round's finished run.
     rc = runner.main(
-        ["--device", "cpu", "--models", "tiny", "--configs", "product", "--batch", "2", "--seq", "64"]
+        ["--device", "cpu", "--models", "tiny", "--configs", "product", "--batch", "2", "--seq", "64", "--rounds", "2"]
         + ["--warmup", "1", "--steps", "2", "--out", str(tmp_path), "--scratch", str(tmp_path), "--in-process"]
     )
     assert rc == 0
-    (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    (row,) = result["rows"]
     assert row["status"] == "ok", row
     assert row["config"] == "product" and row["steps_timed"] == 2 and row["batching"] == "packed"
+    assert row["rounds"] == 2 and len(row["tokens_per_s_rounds"]) == 2
     assert 0 < row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
     assert abs(row["loss_first"] - math.log(MODEL_SHAPES["tiny"].config["vocab_size"])) < 0.5
+    first, last = result["round_rows"]
+    assert [first["round"], last["round"]] == [0, 1] and first["status"] == last["status"] == "ok"
     report = json.loads((tmp_path / "product-tiny" / "runs" / "product-tiny-b2" / "train_report.json").read_text())
-    assert [e["step"] for e in report["losses"]] == [1, 2, 3]
-    assert min(e["tokens_per_s"] for e in report["losses"][1:]) == pytest.approx(row["tokens_per_s_min"], abs=0.05)
+    assert report["resumed_from"] is None and [e["step"] for e in report["losses"]] == [1, 2, 3]
+    assert min(e["tokens_per_s"] for e in report["losses"][1:]) == pytest.approx(last["tokens_per_s_min"], abs=0.05)
+
+
+def test_rounds_combine_to_the_median_and_the_worst_case() -> None:
+    def row(config: str, tps: float, status: str = "ok", **kw: float) -> dict:
+        base = {"model": "1b", "config": config, "batch": 1, "seq": 2048, "status": status, "tokens_per_s": tps}
+        return base | {"step_s_min": 1.0, "step_s_median": 2.0, "step_s_max": 3.0, "peak_allocated_gib": 1.0} | kw
+
+    rows = [
+        row("ours", 100.0, step_s_min=0.5, peak_allocated_gib=1.5),
+        row("ours", 300.0, step_s_max=4.0),
+        row("ours", 200.0),
+        row("unsloth", 100.0),
+        row("unsloth", 0.0, status="oom"),
+        row("hf_gc", 50.0),
+        row("hf_gc", 0.0, status="timeout"),  # the budget never let round 2 run: round 1 stands
+    ]
+    combined = {r["config"]: r for r in combine_rounds(rows)}
+    ours = combined["ours"]
+    assert ours["tokens_per_s"] == 200.0 and ours["tokens_per_s_rounds"] == [100.0, 300.0, 200.0]
+    assert (ours["step_s_min"], ours["step_s_max"], ours["peak_allocated_gib"]) == (0.5, 4.0, 1.5)
+    assert ours["rounds"] == 3
+    assert combined["unsloth"]["status"] == "oom"
+    assert combined["hf_gc"]["status"] == "ok" and combined["hf_gc"]["tokens_per_s"] == 50.0
+    assert "tokens/s of each round" in render_markdown({"rows": list(combined.values())})
 
 
 def test_process_rss_sampler_sees_an_allocation_in_this_process() -> None:

@@ -440,7 +440,7 @@ def _patch_lora_nf4(
             if keep and state is not None:
                 state.put(mod, name, ab)
         y = lora_nf4_linear(
-            x.to(dtype),
+            x if x.dtype == dtype else x.to(dtype),
             layer.weight,
             layer.weight.quant_state,
             layer.bias,
@@ -450,7 +450,7 @@ def _patch_lora_nf4(
             compute_output=not (layer_output and again),
             casts=ab,
         )
-        return y.to(x.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)  # each skipped no-op `.to` is one aten dispatch less
 
     # The projection whose output is only added to the residual stream: in a checkpointing recompute
     # nothing reads it, so it is not computed (None where a post-norm reads it, e.g. Gemma 2).

@@ -30,7 +30,7 @@ class _LoRANF4Fn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         dtype = x.dtype
         a, b = casts if casts is not None else adapters_in(lora_a, lora_b, dtype)
-        xa = x2 @ a.t()
+        xa = torch.nn.functional.linear(x2, a)  # x2 @ a.t() in one aten call, not two
         # the casts, not the adapters: backward multiplies in the activation dtype and need not cast again
         ctx.save_for_backward(x2, xa, a, b, packed)
         ctx.quant_state, ctx.scale, ctx.x_shape = quant_state, scale, x.shape
@@ -47,7 +47,7 @@ class _LoRANF4Fn(torch.autograd.Function):
             y2.addmm_(xa, b.t(), beta=0, alpha=scale)  # beta=0: y2's uninitialized values are never read
         else:
             torch.addmm(bias.to(dtype), xa, b.t(), alpha=scale, out=y2)
-        y2.addmm_(x2, dequantize_nf4_scratch(packed, quant_state, dtype).t())
+        y2.addmm_(x2, dequantize_nf4_scratch(packed, quant_state, dtype, transposed=True))
         return y
 
     @staticmethod
@@ -55,7 +55,9 @@ class _LoRANF4Fn(torch.autograd.Function):
         x2, xa, a, b, packed = ctx.saved_tensors
         scale, dtype = ctx.scale, x2.dtype
         a_dtype, b_dtype = ctx.grad_dtypes
-        dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if dy2.dtype != dtype:
+            dy2 = dy2.to(dtype)
         dyb = dy2.new_empty((dy2.shape[0], b.shape[1])).addmm_(dy2, b, beta=0, alpha=scale)  # scale * dy B: [tokens, r]
         d_a = d_b = dx = None
         if ctx.needs_input_grad[5]:

@@ -10,8 +10,11 @@ import torch
 
 # (device, dtype) -> one flat buffer, grown to the largest request (e.g. the NF4 dequantization of a weight)
 BUFFERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+# (device, dtype) -> weight shape -> views of that buffer (see `nf4.dequantize_nf4_scratch`)
+VIEWS: dict[tuple[torch.device, torch.dtype], dict[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
 
 
 def release_scratch() -> None:
     """Free the scratch buffers (e.g. before merging, when the training step's memory is given back)."""
+    VIEWS.clear()  # first: the views hold the buffers too
     BUFFERS.clear()

@@ -1,6 +1,8 @@
 """NF4 dequantization bit for bit against bitsandbytes; the fused LoRA linear against plain autograd."""
 
+import gc
 import os
+import weakref
 
 import torch
 
@@ -12,7 +14,7 @@ import pytest
 
 from slimtune.kernels.lora_linear import lora_nf4_linear, reference_lora_nf4_linear
 from slimtune.kernels.nf4 import dequantize_nf4, dequantize_nf4_scratch
-from slimtune.kernels.scratch import release_scratch
+from slimtune.kernels.scratch import BUFFERS, VIEWS, release_scratch
 
 
 def _quantize(shape, dtype, double_quant=True, seed=0):
@@ -47,6 +49,27 @@ def test_odd_element_count_and_scratch_reuse():
     assert c.data_ptr() == b.data_ptr()  # the smaller weight reuses the grown buffer
     assert torch.equal(_bits(c), _bits(bnbf.dequantize_4bit(packed_a, state_a)))
     release_scratch()
+
+
+def test_scratch_views_transposed_and_released_with_their_buffer():
+    release_scratch()
+    packed_a, state_a = _quantize((9, 7), torch.bfloat16, seed=1)
+    packed_b, state_b = _quantize((16, 64), torch.bfloat16, seed=2)
+    ref_a = bnbf.dequantize_4bit(packed_a, state_a)
+    t = dequantize_nf4_scratch(packed_a, state_a, transposed=True)
+    assert t.shape == (7, 9) and torch.equal(_bits(t), _bits(ref_a.t()))
+    as_fp32 = dequantize_nf4_scratch(packed_a, state_a, torch.float32)  # another dtype: its own buffer
+    assert as_fp32.dtype == torch.float32 and torch.equal(as_fp32, ref_a.float())
+    key = (packed_a.device, torch.bfloat16)
+    small = weakref.ref(BUFFERS[key])
+    del t
+    dequantize_nf4_scratch(packed_b, state_b)  # grows the bf16 buffer: the cached views of the old one go too
+    gc.collect()
+    assert small() is None, "a cached view kept the outgrown scratch buffer alive"
+    grown = weakref.ref(BUFFERS[key])
+    release_scratch()
+    gc.collect()
+    assert grown() is None and not VIEWS and not BUFFERS
 
 
 @pytest.mark.parametrize("bias", [False, True])
