@@ -111,7 +111,9 @@ def _dequantize_into(packed: torch.Tensor, quant_state, out: torch.Tensor, out_b
     else:
         code2, absmax2 = _on(state2.code, device), state2.absmax
         offset = quant_state.offset
-        offset = _on(offset, device) if isinstance(offset, torch.Tensor) else torch.tensor(offset, device=device)
+        if not isinstance(offset, torch.Tensor):  # a float: fp32 whatever the default dtype
+            offset = torch.tensor(offset, dtype=torch.float32)
+        offset = _on(offset, device)
     _nf4_kernel[grid](
         packed,
         absmax,

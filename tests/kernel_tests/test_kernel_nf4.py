@@ -38,6 +38,21 @@ def test_dequantize_bit_exact_with_bitsandbytes(dtype, double_quant):
     assert torch.equal(_bits(got), _bits(ref))
 
 
+def test_float_offset_is_read_as_fp32_whatever_the_default_dtype():
+    # a QuantState built by hand may carry its double-quant offset as a Python float; under a bf16 default
+    # dtype (as when a model is built in bf16) making it a tensor must not round it to bf16
+    packed, state = _quantize((64, 128), torch.bfloat16)
+    ref = bnbf.dequantize_4bit(packed, state, quant_type="nf4")
+    state.offset = float(state.offset)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = dequantize_nf4(packed, state)
+    finally:
+        torch.set_default_dtype(previous)
+    assert torch.equal(_bits(got), _bits(ref))
+
+
 def test_odd_element_count_and_scratch_reuse():
     release_scratch()
     packed_a, state_a = _quantize((9, 7), torch.bfloat16, seed=1)  # 63 values: half a byte of padding
