@@ -9,7 +9,7 @@ in turn through:
 - `harness`: the README table's `ours` row as `runner.py` measures it, on a second model built as `runner.py`
   builds it (bf16 autocast, fused AdamW, each step bracketed by synchronizes): the hand loop of the table,
   in the product's process;
-- `hand`: the harness's loop (random unpacked rows, SDPA, fused AdamW, `zero_grad(set_to_none)`);
+- `hand`: a plain loop on the product's model (random unpacked rows, SDPA, fused AdamW, `zero_grad(set_to_none)`);
 - `hand_varlen`: the same rows split into packed examples (restarting position ids), so attention takes the
   product's varlen path;
 - `hand_trainer_walks`: `hand_varlen` plus what Trainer does around each step: `model.train()`, gradient
