@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """How fast each CPU core of this machine runs the host side of a training step, one core at a time.
 
-The 1B and batch-1 cells are bound by the host, and the device machines are virtual (Firecracker, 16 vCPUs
-sharing their host): if the cores are not equally fast, the same step's time depends on where the scheduler
+The 1B and batch-1 cells are bound by the host, and the device machines are virtual (Firecracker, 16
+vCPUs): if the cores are not equally fast, the same step's time depends on where the scheduler
 puts the process, and a config measured once per process carries that noise into its ratios. Per core, a
 child process pinned to it (`os.sched_setaffinity`) times a pure-Python loop (ns per iteration) and a CUDA
 launch (`x.add_(1)` on 16 floats, us per launch, queued without waiting), each the median of a few repeats.
