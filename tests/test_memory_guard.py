@@ -298,12 +298,15 @@ def test_live_tensors_sums_reachable_storages_and_names_the_holder_of_the_larges
     storage (counted once), and the largest tensor's chain ends at the module global that keeps it."""
     import types
 
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
     from slimtune.memory.holders import live_tensors
 
     with FunctionalTensorMode():  # a traced tensor left alive (seen in the full suite): its storage has no address
         traced = torch.ones(3) + 1
+    with FakeTensorMode():  # torch.compile's pattern matcher keeps fake tensors (CI): they own no memory
+        fake = torch.empty(1024, 128, 128)  # "64 MiB" on a meta storage
     before, _ = live_tensors("cpu", limit=0)
     holder = types.ModuleType("leaky_tensors")
     monkeypatch.setitem(sys.modules, "leaky_tensors", holder)
@@ -313,7 +316,7 @@ def test_live_tensors_sums_reachable_storages_and_names_the_holder_of_the_larges
     total, largest = live_tensors("cpu", limit=1)
     assert total - before == 8 * 2**20
     assert largest[0].startswith("(2048, 1024) torch.float32 8.0 MiB, held by: globals of leaky_tensors -> dict")
-    del traced
+    del traced, fake
 
 
 # --- ladders ----------------------------------------------------------------------------------------

@@ -120,8 +120,10 @@ def live_tensors(device_type: str, limit: int = 3) -> tuple[int, list[str]]:
         if issubclass(type(obj), torch.Tensor) and obj.device.type == device_type:  # type(): no lazy proxies
             try:
                 storage = obj.untyped_storage()
+                if storage.device.type != device_type:  # a fake tensor (torch.compile's tracing) lives on meta
+                    continue
                 address, nbytes = storage.data_ptr(), storage.nbytes()
-            except (RuntimeError, NotImplementedError):  # sparse, fake (torch.compile's tracing) or meta
+            except (RuntimeError, NotImplementedError):  # sparse, functional (traced) or meta
                 continue
             if nbytes > storages.get(address, (-1, None))[0]:
                 storages[address] = (nbytes, weakref.ref(obj))
