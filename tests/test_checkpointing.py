@@ -12,7 +12,7 @@ from torch import nn
 
 from slimtune.families import FAMILIES as TABLE
 from slimtune.families import lora_target_modules
-from slimtune.memory.checkpointing import _enable, enable_checkpointing
+from slimtune.memory.checkpointing import _enable, enable_checkpointing, parameters_from_lists
 from slimtune.tiny import FAMILIES, build_model
 
 _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -151,6 +151,38 @@ def test_undo_restores_structure_and_outputs(mode) -> None:
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, before_out)
+
+
+def test_listed_parameters_give_the_same_gradients_without_walking_the_layers() -> None:
+    """Inside `parameters_from_lists` a checkpointed layer hands the recompute the list made on entry; its
+    own `parameters()` walk runs again once the block is left, also after an error."""
+    model = _lora_model("llama")
+    ids = _batch()
+    ref = _grads_with(model, False, ids)
+    layer = model.get_base_model().model.layers[0]
+    walks = []
+    cls_parameters = type(layer).parameters
+
+    def counting(recurse: bool = True):
+        walks.append(recurse)
+        return cls_parameters(layer, recurse)
+
+    layer.parameters = counting  # this one instance: counts the layer's own walks
+    with enable_checkpointing(model, "unsloth"):
+        with parameters_from_lists(model) as listed:
+            assert listed == len(model.get_base_model().model.layers)
+            walks.clear()
+            assert _max_rel_diff(_grads(model, ids), ref) <= _REL_TOL
+            assert walks == []
+        assert _max_rel_diff(_grads(model, ids), ref) <= _REL_TOL
+        assert walks  # the walk is back
+        with pytest.raises(RuntimeError, match="inside"), parameters_from_lists(model):
+            raise RuntimeError("inside")
+        walks.clear()
+        _grads(model, ids)
+        assert walks
+    with parameters_from_lists(model) as listed:  # nothing checkpointed: nothing listed
+        assert listed == 0
 
 
 def test_unsloth_trains() -> None:

@@ -11,6 +11,7 @@ top of conftest.py); the check below names that fix instead of failing inside th
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -58,3 +59,26 @@ def program_count(device: torch.device, rows: int) -> int:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(rows, sms * 4))
     return max(1, min(rows, 4))  # interpreter: fewer launches of bigger loops is faster
+
+
+class _NoGraph:
+    """The `ctx` of a Function's forward run outside autograd: what it saves for backward is dropped with it."""
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def mark_dirty(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:  # as autograd does: a graph that saved `t` before it changed in place must notice
+            torch.autograd.graph.increment_version(t)
+
+
+def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """`fn.apply(*args)`, or with grad mode off its forward called directly.
+
+    Without grad nothing is recorded, yet `Function.apply` still builds a context and unwraps every
+    argument (functorch): "unsloth" checkpointing runs each decoder layer's first pass without grad, and
+    there the calls of the ~11 Functions of a layer were host time spent on nothing.
+    """
+    if torch.is_grad_enabled():
+        return fn.apply(*args)
+    return fn.forward(_NoGraph(), *args)

@@ -439,10 +439,13 @@ def _patch_lora_nf4(
             ab = adapters_in(lora_a, lora_b, dtype)
             if keep and state is not None:
                 state.put(mod, name, ab)
+        weight = layer.weight
         y = lora_nf4_linear(
             x if x.dtype == dtype else x.to(dtype),
-            layer.weight,
-            layer.weight.quant_state,
+            # the plain tensor under bitsandbytes' Params4bit: each use of the subclass (a dtype, a data_ptr,
+            # a view) runs its Python __torch_function__, ~100 times per decoder layer per step
+            weight.data,
+            weight.quant_state,
             layer.bias,
             lora_a,
             lora_b,

@@ -16,9 +16,10 @@ no extra gradient for the embedding output) and `torch.autograd.grad` on LoRA we
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -169,10 +170,11 @@ def _patch_layer(
         if mode is True:
             return checkpoint(run, hidden, use_reentrant=False)
         _check_frozen_extras(rest, kwargs, type(layer).__name__)
-        params = [p for p in layer.parameters() if p.requires_grad]
+        params = forward.listed if forward.listed is not None else _trainable(layer)  # type: ignore[attr-defined]
         return _RecomputedLayer.apply(run, offloader, idx, not is_last, hidden, *params)
 
     forward._slimtune_checkpointing = True  # type: ignore[attr-defined]
+    forward.listed = None  # type: ignore[attr-defined]  # set by `parameters_from_lists`
     layer.forward = forward
 
     def restore() -> None:
@@ -189,6 +191,35 @@ def _patch_layer(
             layer.gradient_checkpointing = hf_flag
 
     return restore
+
+
+def _trainable(layer: nn.Module) -> list[torch.Tensor]:
+    return [p for p in layer.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def parameters_from_lists(model: nn.Module) -> Iterator[int]:
+    """Within the block, each "unsloth"-checkpointed decoder layer passes its trainable parameters to the
+    recompute from a list made on entry; yields how many layers use one.
+
+    Otherwise every forward of every layer walks its modules for them (~60 in a Llama layer with LoRA on
+    seven projections). Same contract as `slimtune.train.walks.walks_from_lists`: use it around one
+    single-process `Trainer.train` call, within which no module or parameter is added, removed or frozen.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        layers = _decoder_layers(base)
+    except ValueError:
+        layers = nn.ModuleList()
+    patched = [(layer.__dict__.get("forward"), layer) for layer in layers]
+    patched = [(f, layer) for f, layer in patched if getattr(f, "_slimtune_checkpointing", False)]
+    for forward, layer in patched:
+        forward.listed = _trainable(layer)
+    try:
+        yield len(patched)
+    finally:
+        for forward, _ in patched:
+            forward.listed = None
 
 
 def _call(inner: Callable[..., Any], rest: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Tensor) -> Any:

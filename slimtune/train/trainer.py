@@ -36,6 +36,7 @@ from slimtune import atomic
 from slimtune.charts import LOSS_CURVE_KEY
 from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
 from slimtune.evaluate import perplexity
+from slimtune.memory.checkpointing import parameters_from_lists
 from slimtune.spec import DataSpec, TrainSpec
 from slimtune.train import checkpoints
 from slimtune.train.attention import prefer_varlen
@@ -350,8 +351,12 @@ def train_adapter(
         if resume_from is not None and _finished(resume_from):
             _restore_finished(trainer, model, resume_from)
         else:
-            # one process: Trainer's per-step walks of the model from lists (DDP and FSDP wrap modules in train())
-            walks = walks_from_lists(model) if args.world_size == 1 else contextlib.nullcontext()
+            # one process: Trainer's per-step walks of the model, and each checkpointed layer's walk for its
+            # trainable parameters, from lists (DDP and FSDP wrap modules in train())
+            walks = contextlib.ExitStack()
+            if args.world_size == 1:
+                walks.enter_context(walks_from_lists(model))
+                walks.enter_context(parameters_from_lists(model))
             try:
                 with walks:
                     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)

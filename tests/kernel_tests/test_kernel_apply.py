@@ -156,14 +156,15 @@ def test_unsloth_checkpointing_with_kernels_gives_the_same_lora_gradients(tiny_q
     # as the pipeline trains: without a KV cache (with one, transformers ignores the packed position ids)
     monkeypatch.setattr(model.get_base_model().config, "use_cache", False)
     ref_out, ref_grads = _step(model, batch)
-    calls = []
-    original = lora_linear._LoRANF4Fn.apply
+    calls, graphs = [], []
+    original = lora_linear._LoRANF4Fn.forward
 
-    def spy(*args):
+    def spy(ctx, *args):
         calls.append(args[-1])  # compute_output
-        return original(*args)
+        graphs.append(isinstance(ctx, torch.autograd.function.FunctionCtx))  # autograd's context, or none
+        return original(ctx, *args)
 
-    monkeypatch.setattr(lora_linear._LoRANF4Fn, "apply", spy)
+    monkeypatch.setattr(lora_linear._LoRANF4Fn, "forward", staticmethod(spy))
     handle = enable_checkpointing(model, "unsloth")
     patch = apply_kernels(model, list(KERNEL_NAMES), recomputing=recomputing)
     try:
@@ -175,6 +176,8 @@ def test_unsloth_checkpointing_with_kernels_gives_the_same_lora_gradients(tiny_q
     skipped = 1 if TABLE[model.get_base_model().config.model_type].layer_output else 0
     n_targets = len(model.peft_config["default"].target_modules)
     assert calls.count(True) == 2 * n_targets - skipped and calls.count(False) == skipped, calls
+    # the first pass runs without grad and calls the forward directly; only the recompute builds a graph
+    assert graphs == [False] * n_targets + [True] * n_targets, graphs
     torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
@@ -296,3 +299,32 @@ def test_a_kept_traceback_does_not_keep_a_patched_qlora_model_alive(tmp_path):
     del model, patch, info
     gc.collect()
     assert kept.__traceback__ is not None and alive() is None
+
+
+def test_without_grad_the_kernels_skip_autograd_and_compute_the_same(monkeypatch):
+    """Without grad (the first pass of an "unsloth" layer, evaluation) a kernel's Function forward is called
+    directly, not through `Function.apply`; the values are those of the recorded call, and nothing is recorded."""
+    from slimtune.kernels import rms_norm, rope, swiglu
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 16, generator=g, requires_grad=True)
+    w = torch.randn(16, generator=g, requires_grad=True)
+    cos, sin = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+    calls = {
+        "rms_norm": lambda: rms_norm.rms_norm(x, w, 1e-6),
+        "swiglu": lambda: swiglu.swiglu(x * 1.0, x * 2.0),
+        "rope": lambda: rope.rope_(x * 1.0, x * 2.0, cos, sin)[0],
+    }
+    recorded = {name: call() for name, call in calls.items()}
+    for cls in (rms_norm._RMSNormFn, swiglu._GatedFn, rope._RopeFn):
+        monkeypatch.setattr(cls, "apply", None)  # any use of autograd's path now fails
+    for name, call in calls.items():
+        with torch.no_grad():
+            out = call()
+        assert out.grad_fn is None and not out.requires_grad, name
+        torch.testing.assert_close(out, recorded[name].detach(), rtol=0, atol=0, msg=name)
+    q = x.detach().clone()
+    version = q._version
+    with torch.no_grad():
+        rope.rope_(q, q.clone(), cos, sin)
+    assert q._version > version  # rotated in place, and marked so, as autograd's path marks it
