@@ -245,6 +245,39 @@ def test_prefect_progress_callback_updates_artifact_in_a_run(monkeypatch):
     assert calls == [("create", 0.0), ("id", 25.0), ("id", 50.0), ("id", 75.0), ("id", 100.0)]
 
 
+def test_prefect_progress_updates_stay_within_their_count_when_every_step_logs(monkeypatch):
+    """With `logging_steps: 1` Trainer logs after every step's end; the progress artifact still gets at most
+    `updates` API calls (evaluations aside), each carrying the figures of the step that made it due."""
+    import prefect.artifacts
+
+    import slimtune.train.callbacks as callbacks
+
+    calls = []
+    monkeypatch.setattr(callbacks, "_in_prefect_run", lambda: True)
+    monkeypatch.setattr(
+        prefect.artifacts, "create_progress_artifact", lambda progress, key=None, description=None: "id"
+    )
+    monkeypatch.setattr(
+        prefect.artifacts,
+        "update_progress_artifact",
+        lambda artifact_id, progress, description=None: calls.append((progress, description)),
+    )
+    monkeypatch.setattr(callbacks.PrefectProgressCallback, "publish_curve", lambda self: None)
+    callback = PrefectProgressCallback(key="run", updates=4)
+    state = TrainerState(global_step=0, max_steps=8)
+    callback.on_train_begin(None, state, TrainerControl())
+    for step in range(1, 9):
+        state.global_step = step
+        control = TrainerControl(should_log=True)  # as DefaultFlowCallback sets it, before our on_step_end
+        callback.on_step_end(None, state, control)
+        callback.on_log(None, state, control, logs={"loss": 10.0 - step, "tokens_per_s": 1000.0 * step})
+    assert [p for p, _ in calls] == [25.0, 50.0, 75.0, 100.0]
+    assert "loss 8.0000" in calls[0][1] and "2,000 tok/s" in calls[0][1]  # step 2's own figures
+    assert "loss 2.0000" in calls[-1][1]
+    callback.on_log(None, state, TrainerControl(), logs={"eval_loss": 1.5})
+    assert len(calls) == 5  # an evaluation updates at once
+
+
 def test_one_process_trains_on_one_device_even_when_more_gpus_are_visible(base_dir, tmp_path):
     """On a 2-GPU host outside torchrun transformers sets n_gpu=2: that doubled the micro-batch and the loss."""
     from transformers import Trainer

@@ -69,7 +69,8 @@ class PrefectProgressCallback(TrainerCallback):
     Args:
         key: progress artifact key (made lowercase letters, digits and dashes); None = unkeyed.
         curve_key: loss-curve artifact key, likewise; None = unkeyed.
-        updates: at most this many progress updates over the run (each is an API call; 100 = every 1%).
+        updates: at most this many progress updates over the run, evaluations aside (each is an API call;
+            100 = every 1%).
         chart_every_s: re-draw the loss curve at most this often: each re-draw stores a new artifact version
             of ~23 KB (measured for 24 and 2,000 steps), so 30 s keeps a 10-hour run to ~1,200 versions, 28 MB.
     """
@@ -90,6 +91,7 @@ class PrefectProgressCallback(TrainerCallback):
         self._train: list[tuple[int, float]] = []
         self._eval: list[tuple[int, float]] = []
         self._charted = 0.0
+        self._due = False  # an update found due at a step's end, waiting for that step's log
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if not _in_prefect_run():
@@ -100,7 +102,7 @@ class PrefectProgressCallback(TrainerCallback):
         self._first_step = state.global_step  # a resumed run's ETA counts only the steps it trains
         self._train = [(e["step"], e["loss"]) for e in state.log_history if "loss" in e]
         self._eval = [(e["step"], e["eval_loss"]) for e in state.log_history if "eval_loss" in e]
-        self._last = self._percent(state)
+        self._last, self._due = self._percent(state), False
         self.artifact_id = create_progress_artifact(
             progress=self._last, key=self.key, description=self.describe(state, time.perf_counter())
         )
@@ -116,7 +118,11 @@ class PrefectProgressCallback(TrainerCallback):
             self._eval.append((state.global_step, logs["eval_loss"]))
         if self.artifact_id is None:
             return
-        self._update(state)  # the step's figures are known only now (Trainer logs after on_step_end)
+        # An update the step's end found due waited for this log, which brings the step's figures; an eval
+        # updates at once. Not every log: with `logging_steps: 1` that was an API call per training step.
+        if self._due or "eval_loss" in logs:
+            self._due = False
+            self._update(state)
         # Evals are rare and the final one comes after on_train_end: each re-draws the curve at once.
         if "eval_loss" in logs or time.perf_counter() - self._charted >= self.chart_every_s:
             self.publish_curve()
@@ -128,7 +134,10 @@ class PrefectProgressCallback(TrainerCallback):
             self._began, self._first_step = time.perf_counter(), state.global_step
         pct = self._percent(state)
         if pct - self._last >= 100 / self.updates or state.global_step >= state.max_steps:
-            self._update(state)
+            if control.should_log:  # Trainer logs this step after on_step_end: update with its figures then
+                self._due = True
+            else:
+                self._update(state)
 
     def _update(self, state: TrainerState) -> None:
         from prefect.artifacts import update_progress_artifact
@@ -140,6 +149,9 @@ class PrefectProgressCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if self.artifact_id is not None:
+            if self._due:  # the last step's log never came
+                self._due = False
+                self._update(state)
             self.publish_curve()
 
     def publish_curve(self) -> None:
