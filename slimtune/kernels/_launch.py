@@ -77,7 +77,7 @@ def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
 
     Without grad nothing is recorded, yet `Function.apply` still builds a context and unwraps every
     argument (functorch): "unsloth" checkpointing runs each decoder layer's first pass without grad, and
-    there the calls of the ~11 Functions of a layer were host time spent on nothing.
+    there the calls of a layer's dozen Functions were host time spent on nothing.
     """
     if torch.is_grad_enabled():
         return fn.apply(*args)

@@ -199,8 +199,8 @@ def _trainable(layer: nn.Module) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def parameters_from_lists(model: nn.Module) -> Iterator[int]:
-    """Within the block, each "unsloth"-checkpointed decoder layer passes its trainable parameters to the
-    recompute from a list made on entry; yields how many layers use one.
+    """Within the block, each checkpointed decoder layer has its trainable parameters in a list made on entry,
+    which the "unsloth" recompute takes; yields how many layers got one.
 
     Otherwise every forward of every layer walks its modules for them (~60 in a Llama layer with LoRA on
     seven projections). Same contract as `slimtune.train.walks.walks_from_lists`: use it around one
