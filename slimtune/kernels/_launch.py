@@ -72,7 +72,7 @@ class _NoGraph:
             torch.autograd.graph.increment_version(t)
 
 
-def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+def apply_or_forward(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """`fn.apply(*args)`, or with grad mode off its forward called directly.
 
     Without grad nothing is recorded, yet `Function.apply` still builds a context and unwraps every

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import apply
+from ._launch import apply_or_forward
 from .nf4 import dequantize_nf4_scratch
 
 
@@ -107,7 +107,7 @@ def lora_nf4_linear(
         casts: `adapters_in(lora_a, lora_b, x.dtype)` made earlier, to reuse (a checkpointed layer's
             recompute reuses its forward's); default: cast here.
     """
-    return apply(_LoRANF4Fn, x, packed, quant_state, bias, lora_a, lora_b, casts, scale, compute_output)
+    return apply_or_forward(_LoRANF4Fn, x, packed, quant_state, bias, lora_a, lora_b, casts, scale, compute_output)
 
 
 def adapters_in(lora_a: torch.Tensor, lora_b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

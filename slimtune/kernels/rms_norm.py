@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import apply, check_device, program_count, row_block
+from ._launch import apply_or_forward, check_device, program_count, row_block
 from ._rounding import bf16_rtne
 
 
@@ -165,7 +165,7 @@ class _RMSNormFn(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
     """RMSNorm over the last dimension; `gemma=True` uses Gemma's `(1 + weight)` and casting rule."""
-    return apply(_RMSNormFn, x, weight, eps, gemma)
+    return apply_or_forward(_RMSNormFn, x, weight, eps, gemma)
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:

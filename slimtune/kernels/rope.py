@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import apply, check_device
+from ._launch import apply_or_forward, check_device
 
 
 @triton.jit
@@ -145,7 +145,7 @@ def rope_(
         cos, sin: [B or 1, T, D] per-token values, or a [P, D] table when `position_ids` is given.
         position_ids: [B, T] or [1, T] row index into the table; packed examples restart at 0.
     """
-    q, k = apply(_RopeFn, q, cos, sin, position_ids), apply(_RopeFn, k, cos, sin, position_ids)
+    q, k = apply_or_forward(_RopeFn, q, cos, sin, position_ids), apply_or_forward(_RopeFn, k, cos, sin, position_ids)
     return _heads(q, cos), _heads(k, cos)
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import apply, check_device
+from ._launch import apply_or_forward, check_device
 
 _BLOCK = 1024  # 1024 elements x 3 tensors per program keeps loads 16-byte vectorised with 4 warps
 
@@ -118,7 +118,7 @@ def gated_act(
     only memory change between those runs). The inputs hold gradients afterwards, and the graph is
     single-use (no retain_graph).
     """
-    return apply(_GatedFn, gate, up, _act_id(activation), inplace_backward)
+    return apply_or_forward(_GatedFn, gate, up, _act_id(activation), inplace_backward)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
