@@ -36,8 +36,9 @@ GiB = 1024**3
 # hf_gc: HF + peft + bitsandbytes with checkpointing (the baseline of every ratio); hf_nogc: without;
 # liger: hf_gc + liger-kernel; unsloth: Unsloth; ours: slimtune's kernels in the hand loop (a diagnostic);
 # product: slimtune's attach_lora + packed_sft task functions (benchmarks/product.py); product_sdpa: the same
-# with packed rows on SDPA's dense block mask (a diagnostic). Also the order of every table.
-CONFIGS = ("hf_gc", "hf_nogc", "liger", "unsloth", "product", "ours", "product_sdpa")
+# with packed rows on SDPA's dense block mask, product_eager: with train.cuda_graphs false (diagnostics). Also the
+# order of every table.
+CONFIGS = ("hf_gc", "hf_nogc", "liger", "unsloth", "product", "ours", "product_sdpa", "product_eager")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RANK = 16
 SEED = 0

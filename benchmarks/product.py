@@ -9,7 +9,8 @@ the other configs, instead of a 16 GB safetensors round trip through `load_4bit`
 The speed is the train report's: each optimizer step is logged (`logging_steps: 1`), each log entry
 carries the tokens/s of its step (real tokens, padding excluded), and the row's figure is the median
 over the steps after `warmup`. Peak allocated covers the whole `packed_sft` call.
-`product_sdpa` is a diagnostic: the same with packed rows left on SDPA with a dense block mask.
+`product_sdpa` is a diagnostic: the same with packed rows left on SDPA with a dense block mask; `product_eager`
+another: the same with `train.cuda_graphs: false`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ if TYPE_CHECKING:  # the benchmark imports slimtune's task modules only inside i
     from slimtune.tasks.attach_lora import LoraResult
     from slimtune.train import TrainReport
 
-PRODUCT_CONFIGS = ("product", "product_sdpa")
+PRODUCT_CONFIGS = ("product", "product_sdpa", "product_eager")
 
 
 def write_chat_data(path: Path, tokens_needed: int, seed: int = 0) -> Path:
@@ -69,7 +70,7 @@ def write_chat_data(path: Path, tokens_needed: int, seed: int = 0) -> Path:
     return path
 
 
-def _spec(root: Path, batch: int, seq: int, steps: int, name: str, device: str):
+def _spec(root: Path, batch: int, seq: int, steps: int, name: str, device: str, cuda_graphs: bool = True):
     from slimtune.spec import parse_spec
 
     return parse_spec(
@@ -91,6 +92,7 @@ def _spec(root: Path, batch: int, seq: int, steps: int, name: str, device: str):
                 "save_steps": 100000,
                 "logging_steps": 1,
                 "kernels": "auto",
+                "cuda_graphs": cuda_graphs,
             },
             "merge": {"enabled": False},
             "export": {"gguf": []},
@@ -158,12 +160,13 @@ def train_product(
     total_steps: int,
     device: str,
     callbacks: list[TrainerCallback] | None = None,
+    cuda_graphs: bool = True,
 ) -> TrainReport:
     """`packed_sft` at micro-batch `batch` (accumulation 1, "unsloth" checkpointing); returns its TrainReport."""
     from slimtune.tasks.packed_sft import packed_sft
 
     return packed_sft(
-        _spec(ps.root, batch, seq, total_steps, name, device),
+        _spec(ps.root, batch, seq, total_steps, name, device, cuda_graphs),
         ps.handle,
         ps.lora.checkpointing_handle,
         ps.examples,
@@ -192,7 +195,8 @@ def product_worker(
         try:
             free_memory(device)
             with rss, mem:
-                report = train_product(ps, f"{config}-{model_key}-b{b}", b, seq, total_steps, device)
+                name = f"{config}-{model_key}-b{b}"
+                report = train_product(ps, name, b, seq, total_steps, device, cuda_graphs=config != "product_eager")
             row.update(report_stats(report, warmup))
         except torch.OutOfMemoryError as e:
             row.update(status="oom", error=error_text(e))
@@ -222,4 +226,5 @@ def report_stats(report, warmup: int) -> dict[str, Any]:
         "loss_first": round(report.losses[0]["loss"], 4),
         "loss_last": round(report.losses[-1]["loss"], 4),
         "report_tokens_per_s": round(report.tokens_per_s, 1),  # the whole run, warm-up and setup included
+        "cuda_graphs": report.cuda_graphs,
     }

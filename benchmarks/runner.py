@@ -11,6 +11,7 @@ fused AdamW, one fixed random batch):
            callbacks) on a chat JSONL; tokens/s from the train report's steps after warm-up (benchmarks/product.py)
   ours     a diagnostic hand loop: enable_checkpointing(model, "unsloth") + apply_kernels(model, "auto")
   product_sdpa  a diagnostic: product with packed rows on SDPA's dense block mask instead of varlen flash
+  product_eager  a diagnostic: product with train.cuda_graphs: false (each layer's backward eager)
 A config whose package does not import is recorded as "not installed"; nothing is ever estimated.
 
 Isolation: one worker process per (model, process group). hf_gc and hf_nogc share a process and a model
@@ -79,7 +80,15 @@ from slimtune.families import lora_target_modules
 
 # Headline comparison first (baseline, product, hand loop, Unsloth), diagnostics last, so a run cut short by the
 # budget still holds it.
-_GROUPS = (("hf_gc", "hf_nogc"), ("product",), ("ours",), ("unsloth",), ("product_sdpa",), ("liger",))
+_GROUPS = (
+    ("hf_gc", "hf_nogc"),
+    ("product",),
+    ("ours",),
+    ("unsloth",),
+    ("product_eager",),
+    ("product_sdpa",),
+    ("liger",),
+)
 # Packages whose absence makes a config "not installed" (checked with find_spec, without importing).
 _NEEDS = {"liger": "liger_kernel", "unsloth": "unsloth"}
 _WORKER_MIN_S = 20  # do not start a worker with less budget left than this: it could not finish a row

@@ -100,11 +100,18 @@ def detected_budget(spec: PipelineSpec, gpu_total: int | None, host: int | None)
 
 
 def train_estimate(
-    spec: PipelineSpec, cfg: dict, micro_batch: int, checkpointing: bool | str, device_type: str
+    spec: PipelineSpec,
+    cfg: dict,
+    micro_batch: int,
+    checkpointing: bool | str,
+    device_type: str,
+    cuda_graphs: bool = False,
 ) -> Estimate:
     """The packed_sft estimate for `spec` at `micro_batch`: with the kernels the run will apply and the
     optimizer it uses (shared by the stage, the planner and `micro_batch_size: auto`). `device_type`
-    may be one this machine lacks (the planner's "cuda": 16-bit compute unless the spec says float32)."""
+    may be one this machine lacks (the planner's "cuda": 16-bit compute unless the spec says float32).
+    `cuda_graphs` adds what graphs of the layers' backward hold; they are an extra that packed_sft uses only
+    where it fits, so what fits is decided without them."""
     # Imported here: the planner reads configs without loading torch's model code until it estimates.
     from slimtune.kernels.apply import expected_kernels
     from slimtune.tasks.attach_lora import excluded_kernels, rank_checkpointing
@@ -129,6 +136,7 @@ def train_estimate(
         on_gpu=device_type == "cuda",
         shard_ranks=spec.train.num_gpus if spec.train.sharded else 1,  # per rank
         varlen_attention=varlen_expected(cfg, device_type, spec.data.packing),
+        cuda_graphs=cuda_graphs,
     )
 
 

@@ -262,6 +262,11 @@ class TrainSpec(_Section):
     kernels: Literal["auto", "off"] | list[str] = Field(
         "auto", description="Triton kernels: auto (what the GPU and family support), off, or a list of kernel names."
     )
+    cuda_graphs: bool = Field(
+        True,
+        description='Replay each decoder layer\'s backward as a CUDA graph (one CUDA GPU, "unsloth" checkpointing, '
+        "no dropout): one launch per layer where the host issued ~150. false: always eager.",
+    )
     num_gpus: int = Field(1, ge=1, le=64, description="Data-parallel GPUs on this host (torchrun).")
     parallelism: Literal["ddp", "fsdp"] = Field(
         "ddp",

@@ -134,6 +134,22 @@ def test_checkpointing_modes_order_and_offload_moves_to_host():
         estimate_train(LLAMA_31_8B, checkpointing=True, **{**kw, "target_modules": ["wq"]})
 
 
+def test_cuda_graphs_add_their_buffers_and_pool_only_under_unsloth_checkpointing():
+    kw = {"micro_batch": 4, "seq_len": 2048, "lora_r": 16, "target_modules": "all-linear"}
+    eager = estimate_train(LLAMA_31_8B, checkpointing="unsloth", **kw)
+    graphed = estimate_train(LLAMA_31_8B, checkpointing="unsloth", cuda_graphs=True, **kw)
+    added = {k: v for k, v in graphed.breakdown.items() if k not in eager.breakdown}
+    assert len(added) == 2 and graphed.gpu_bytes - eager.gpu_bytes == sum(added.values())
+    # three layer inputs of 4 x 2048 x 4096 bf16, and one layer's LoRA gradients (r=16, fp32) at most ~6 MB
+    statics = next(v for k, v in added.items() if "static" in k)
+    assert 3 * 4 * 2048 * 4096 * 2 < statics < 3 * 4 * 2048 * 4096 * 2 + 6e6
+    assert next(v for k, v in added.items() if "pool" in k) > statics  # a recomputed layer's activations
+    for mode in (True, False):  # standard checkpointing and none are never captured
+        assert estimate_train(LLAMA_31_8B, checkpointing=mode, cuda_graphs=True, **kw).gpu_bytes == (
+            estimate_train(LLAMA_31_8B, checkpointing=mode, **kw).gpu_bytes
+        )
+
+
 def test_activation_term_matches_saved_tensors_of_a_tiny_llama():
     """Sum the bytes autograd saves in one decoder layer under bf16 autocast and compare."""
     from peft import LoraConfig, get_peft_model

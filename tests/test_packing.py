@@ -101,7 +101,8 @@ def test_packed_length_gives_every_batch_one_shape():
     flat = RowCollator("packed", pad_token_id=0, flash_varlen=True, packed_length=6)(rows)
     assert flat["input_ids"].tolist() == [[3, 3, 3, 3, 1, 1, 1, 2, 2, 0, 0, 0]]
     assert flat["labels"][0, 9:].tolist() == [IGNORE_INDEX] * 3
-    assert flat["cu_seq_lens_q"].tolist() == [0, 4, 7, 9, 12] and flat["max_length_q"] == 4
+    # boundaries padded with empty segments to 16 entries, the longest bounded by the row: fixed shapes
+    assert flat["cu_seq_lens_q"].tolist() == [0, 4, 7, 9, 12] + [12] * 11 and flat["max_length_q"] == 6
     assert flat["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 0, 1, 2]]
 
 
@@ -231,23 +232,26 @@ def test_torch_varlen_packed_loss_and_grads_match_sdpa(tokenizer, chat_examples)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "bucketed"])
 @pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
-def test_varlen_attention_matches_causal_sdpa_per_example_with_gradients(kv_heads):
+def test_varlen_attention_matches_causal_sdpa_per_example_with_gradients(kv_heads, padded):
     """aten's flash kernel on flattened examples, k/v with their own head count: outputs and q/k/v gradients
-    equal causal SDPA run on each example alone (with its enable_gqa where k/v have fewer heads)."""
+    equal causal SDPA run on each example alone (with its enable_gqa where k/v have fewer heads). Bucketed: the
+    boundaries end in empty segments and the longest is only bounded, as the collator makes them for fixed shapes."""
     from slimtune.train.attention import varlen_attention_forward
 
     torch.manual_seed(0)
     lengths, heads, dim = [37, 128, 5, 300], 8, 64
     total = sum(lengths)
-    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+    cu = torch.tensor([0, *lengths, *([0] * 11 if padded else [])], dtype=torch.int32)
+    cu = cu.cumsum(0, dtype=torch.int32).cuda()
 
     def make(h: int) -> torch.Tensor:  # (B=1, H, T, D) as transformers hands them over
         return torch.randn(1, h, total, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     q, k, v = make(heads), make(kv_heads), make(kv_heads)
     out, _ = varlen_attention_forward(
-        torch.nn.Module(), q, k, v, None, scaling=dim**-0.5, cu_seq_lens_q=cu, max_length_q=max(lengths)
+        torch.nn.Module(), q, k, v, None, scaling=dim**-0.5, cu_seq_lens_q=cu, max_length_q=512 if padded else 300
     )
     dout = torch.randn_like(out)
     got = (out, *torch.autograd.grad(out, (q, k, v), dout))

@@ -9,6 +9,7 @@ until the flow ends). Out-of-memory inside a stage becomes `MemoryPressure`, the
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from dataclasses import asdict
@@ -144,7 +145,13 @@ def packed_sft_task(
     shift = downshift_train(micro_batch, grad_accum, spec.lora.gradient_checkpointing, current_attempt())
     for note in shift.notes:
         log.warning("packed_sft downshift: %s", note)
-    est = train_estimate(spec, cfg, shift.micro_batch, shift.checkpointing, plan.torch_device.type)
+    device_type = plan.torch_device.type
+    estimate = functools.partial(train_estimate, spec, cfg, shift.micro_batch, shift.checkpointing, device_type)
+    # CUDA graphs of the layers' backward hold a recomputed layer in a pool of their own: only where that fits too
+    graphs = spec.train.cuda_graphs and gpu_fits(estimate(cuda_graphs=True), spec, plan)
+    if spec.train.cuda_graphs and not graphs:
+        log.warning("packed_sft: CUDA graphs of the layers' backward off: the estimate with them exceeds the budget")
+    est = estimate(cuda_graphs=graphs)
     batch = {
         "micro_batch_size": shift.micro_batch,
         "gradient_accumulation_steps": shift.grad_accum,
@@ -152,7 +159,7 @@ def packed_sft_task(
     }
 
     def here() -> dict:
-        report = packed_sft(spec, handle, checkpointing_handle, examples_handle, **batch, plan=plan)
+        report = packed_sft(spec, handle, checkpointing_handle, examples_handle, **batch, plan=plan, cuda_graphs=graphs)
         return {**asdict(report), "micro_batch_auto": chosen}
 
     with _guard("packed_sft", spec, plan, est, shift.notes):

@@ -433,7 +433,9 @@ def _patch_lora_nf4(
         again = recomputing()
         # the first pass of an "unsloth" checkpointed layer (training, no grad) keeps its casts for the recompute
         keep = not again and mod.training and not torch.is_grad_enabled()
-        state = casts_ref()
+        # a recompute captured in a CUDA graph casts for itself: a replay would read this step's casts next step
+        captured = again and x.is_cuda and torch.cuda.is_current_stream_capturing()
+        state = None if captured else casts_ref()
         ab = state.take(mod, name, dtype, keep, again) if state is not None else None
         if ab is None:
             ab = adapters_in(lora_a, lora_b, dtype)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -27,12 +28,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from slimtune.memory.layer_graphs import LayerGraphs
 from slimtune.memory.offload import ActivationOffloader, OffloadStats
 
 Mode = bool | Literal["unsloth"]
 _MISSING = object()
 _SUPPORTED = "Llama, Mistral, Qwen2, Qwen3, Gemma (decoder layers at `model.model.layers`)"
 _RECOMPUTE = threading.local()  # backward runs on autograd's thread: a flag per thread
+log = logging.getLogger(__name__)
 
 
 def recomputing() -> bool:
@@ -166,15 +169,17 @@ def _patch_layer(
         for name, off in (("use_cache", False), ("past_key_values", None), ("layer_past", None)):
             if name in kwargs:
                 kwargs[name] = off  # a recomputed layer would append to a cache twice
-        run = functools.partial(_call, inner, rest, kwargs)
         if mode is True:
-            return checkpoint(run, hidden, use_reentrant=False)
+            return checkpoint(functools.partial(_call, inner, rest, kwargs), hidden, use_reentrant=False)
         _check_frozen_extras(rest, kwargs, type(layer).__name__)
         params = forward.listed if forward.listed is not None else _trainable(layer)  # type: ignore[attr-defined]
-        return _RecomputedLayer.apply(run, offloader, idx, not is_last, hidden, *params)
+        call = (layer, inner, rest, kwargs)
+        return _RecomputedLayer.apply(call, offloader, forward.graphs, idx, not is_last, hidden, *params)  # type: ignore[attr-defined]
 
     forward._slimtune_checkpointing = True  # type: ignore[attr-defined]
+    forward.mode = mode  # type: ignore[attr-defined]
     forward.listed = None  # type: ignore[attr-defined]  # set by `parameters_from_lists`
+    forward.graphs = None  # type: ignore[attr-defined]  # set by `graphed_backward`
     layer.forward = forward
 
     def restore() -> None:
@@ -206,13 +211,7 @@ def parameters_from_lists(model: nn.Module) -> Iterator[int]:
     seven projections). Same contract as `slimtune.train.walks.walks_from_lists`: use it around one
     single-process `Trainer.train` call, within which no module or parameter is added, removed or frozen.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    try:
-        layers = _decoder_layers(base)
-    except ValueError:
-        layers = nn.ModuleList()
-    patched = [(layer.__dict__.get("forward"), layer) for layer in layers]
-    patched = [(f, layer) for f, layer in patched if getattr(f, "_slimtune_checkpointing", False)]
+    patched = _patched(model)
     for forward, layer in patched:
         forward.listed = _trainable(layer)
     try:
@@ -220,6 +219,61 @@ def parameters_from_lists(model: nn.Module) -> Iterator[int]:
     finally:
         for forward, _ in patched:
             forward.listed = None
+
+
+def _patched(model: nn.Module) -> list[tuple[Any, nn.Module]]:
+    """(patched forward, layer) of each decoder layer `enable_checkpointing` patched."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        layers = _decoder_layers(base)
+    except ValueError:
+        return []
+    patched = [(layer.__dict__.get("forward"), layer) for layer in layers]
+    return [(f, layer) for f, layer in patched if getattr(f, "_slimtune_checkpointing", False)]
+
+
+def graphs_refusal(model: nn.Module) -> str | None:
+    """Why `graphed_backward` would leave `model`'s layers eager, or None when it graphs them."""
+    patched = _patched(model)
+    if not patched or any(f.mode != "unsloth" for f, _ in patched):
+        return 'only layers under "unsloth" checkpointing are captured'
+    layers = [layer for _, layer in patched]
+    device = next((p.device for layer in layers for p in layer.parameters()), torch.device("cpu"))
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device, not {device.type}"
+    config = getattr(model, "config", None)
+    dropouts = [m.p for layer in layers for m in layer.modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    if dropouts or getattr(config, "attention_dropout", 0.0):
+        return "dropout draws new masks each step, which a replayed graph would not"
+    return None
+
+
+@contextlib.contextmanager
+def graphed_backward(model: nn.Module) -> Iterator[LayerGraphs | None]:
+    """Within the block, the backward of each "unsloth"-checkpointed decoder layer runs as a CUDA graph, captured
+    at its second backward of each input shape (see `slimtune.memory.layer_graphs`); yields the graphs, or None
+    where `graphs_refusal` refuses (the reason is logged).
+
+    The graphs read the layers' parameters and the kernels' buffers where they were at capture: use it around one
+    single-process `Trainer.train` call, within which no module or parameter is added, removed or frozen (the
+    contract of `parameters_from_lists`). The graphs and their memory go when the block ends.
+    """
+    reason = graphs_refusal(model)
+    if reason is not None:
+        log.info("decoder layers' backward stays eager: %s", reason)
+        yield None
+        return
+    patched = _patched(model)
+    device = next(p.device for _, layer in patched for p in layer.parameters())
+    graphs = LayerGraphs(device)
+    for forward, _ in patched:
+        forward.graphs = graphs
+    try:
+        yield graphs
+    finally:
+        for forward, _ in patched:
+            forward.graphs = None
+        graphs.release()
 
 
 def _call(inner: Callable[..., Any], rest: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Tensor) -> Any:
@@ -239,21 +293,35 @@ def _check_frozen_extras(rest: tuple[Any, ...], kwargs: dict[str, Any], layer_na
                 )
 
 
+def _recompute(
+    inner: Callable[..., Any], autocast: tuple, hidden: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Run the layer again with grad, under the forward's autocast state, flagged as a recompute."""
+    device_type, enabled, dtype, cache = autocast
+    with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+        _RECOMPUTE.active = True
+        try:
+            return inner(hidden, *rest, **kwargs)
+        finally:
+            _RECOMPUTE.active = False
+
+
 class _RecomputedLayer(torch.autograd.Function):
     """Run a decoder layer without saving activations; recompute it from its (offloaded) input in backward."""
 
     @staticmethod
     def forward(
         ctx: Any,
-        run: Callable[[torch.Tensor], Any],
+        call: tuple[nn.Module, Callable[..., Any], tuple[Any, ...], dict[str, Any]],
         offloader: ActivationOffloader | None,
+        graphs: LayerGraphs | None,
         idx: int,
         offload: bool,
         hidden: torch.Tensor,
         *params: torch.Tensor,
     ) -> torch.Tensor:
         device = hidden.device
-        ctx.run = run
+        ctx.call = call
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         # Autocast is thread-local and the backward runs on autograd's thread: carry it over by hand.
@@ -263,13 +331,14 @@ class _RecomputedLayer(torch.autograd.Function):
             torch.get_autocast_dtype(device.type),
             torch.is_autocast_cache_enabled(),
         )
-        ctx.offloader = offloader
+        ctx.offloader, ctx.graphs, ctx.idx = offloader, graphs, idx
         if offloader is not None:
             ctx.slot = offloader.save(hidden, idx, offload)
         else:
             ctx.hidden = hidden
         ctx.save_for_backward(*params)
-        out = run(hidden)
+        _, inner, rest, kwargs = call
+        out = inner(hidden, *rest, **kwargs)
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f'gradient_checkpointing "unsloth" expects decoder layers to return a tensor, '
@@ -284,24 +353,32 @@ class _RecomputedLayer(torch.autograd.Function):
             saved = ctx.offloader.load(ctx.slot)
         else:
             saved, ctx.hidden = ctx.hidden, None
-        hidden = saved.detach().requires_grad_(ctx.needs_input_grad[4])
-        device_type, enabled, dtype, cache = ctx.autocast
+        wants_hidden = ctx.needs_input_grad[5]
+        layer, inner, rest, kwargs = ctx.call
+        if ctx.graphs is not None:
+            done = ctx.graphs.backward(
+                layer,
+                ctx.idx,
+                functools.partial(_recompute, inner, ctx.autocast),
+                rest,
+                kwargs,
+                saved,
+                grad_out,
+                params,
+                wants_hidden,
+                ctx.autocast,
+            )
+            if done is not None:
+                return (None, None, None, None, None, done[0], *done[1])
+        hidden = saved.detach().requires_grad_(wants_hidden)
         cuda = [hidden.device] if ctx.cuda_rng is not None else []
-        with (
-            torch.random.fork_rng(devices=cuda, device_type="cuda"),
-            torch.enable_grad(),
-            torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache),
-        ):
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
             # Same RNG as the forward, so dropout draws the same masks; fork_rng puts the outer state back.
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
-            _RECOMPUTE.active = True
-            try:
-                out = ctx.run(hidden)
-            finally:
-                _RECOMPUTE.active = False
+            out = _recompute(inner, ctx.autocast, hidden, rest, kwargs)
         inputs = ([hidden] if hidden.requires_grad else []) + list(params)
         grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
         hidden_grad = grads.pop(0) if hidden.requires_grad else None
-        return (None, None, None, None, hidden_grad, *grads)
+        return (None, None, None, None, None, hidden_grad, *grads)

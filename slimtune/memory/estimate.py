@@ -66,6 +66,8 @@ _OFFLOAD_IN_FLIGHT = 3
 _STORED_TERMS = ("activations (no checkpointing)", "checkpointed layer inputs")
 _WEIGHT_TERMS = ("nf4 linears", "embeddings and lm_head", "norms and biases")
 _STATE_TERMS = ("lora weights and grads (fp32)", "optimizer state", _CONTEXT_TERM)
+# allocated once per run, and the private pool is no block of the allocator's to fragment
+_GRAPH_TERMS = ("CUDA graphs: static inputs and LoRA gradients", "CUDA graphs: private pool (one recomputed layer)")
 # bitsandbytes 4-bit blocks: 64 weights share one absmax; with double quantisation 256 absmax
 # values share one float32 second-level absmax, and each layer keeps a 256-entry float32 code.
 _NF4_BLOCK = 64
@@ -323,6 +325,7 @@ def estimate_train(
     on_gpu: bool = True,
     shard_ranks: int = 1,
     varlen_attention: bool = False,
+    cuda_graphs: bool = False,
 ) -> Estimate:
     """Memory for one QLoRA training step at `micro_batch` x `seq_len` tokens, device-wide (per rank).
 
@@ -340,6 +343,12 @@ def estimate_train(
 
     `varlen_attention`: packed rows go through varlen flash attention (`slimtune.train.attention`); with
     the RoPE kernel a layer then keeps one more q, k and v.
+
+    `cuda_graphs`: `train.cuda_graphs` will capture each layer's backward (`slimtune.memory.layer_graphs`, with
+    "unsloth" checkpointing): its static buffers (three layer inputs, one set of LoRA gradients) and its private
+    pool, which holds one recomputed layer apart from the allocator's other blocks. Measured on an H100 at 1B
+    (`benchmarks/runner.py`, product vs product_eager): peak reserved +0.25 GiB at 1 x 2048, +0.93 GiB at
+    4 x 2048 (two input keys); not in the calibration table yet, whose rows ran without graphs.
 
     `shard_ranks` > 1 is FSDP-QLoRA: each rank keeps 1/shard_ranks of the weights, LoRA weights, grads
     and optimizer state, and gathers whole layers while it computes them (the one it computes and the
@@ -396,6 +405,10 @@ def estimate_train(
             # Layer inputs stay on the GPU while copies to and from host overlap with compute.
             gpu["layer inputs in flight"] = tokens * _OFFLOAD_IN_FLIGHT * layer_input
             host["offloaded layer inputs (pinned)"] = tokens * shape.layers * layer_input
+            if cuda_graphs and on_gpu:
+                layer_lora = -(-lora // shape.layers)
+                gpu[_GRAPH_TERMS[0]] = 3 * tokens * layer_input + layer_lora * 4
+                gpu[_GRAPH_TERMS[1]] = recompute
     else:
         raise ValueError(f"lora.gradient_checkpointing is {checkpointing!r}; use false, true, 'standard' or 'unsloth'")
 
@@ -414,7 +427,7 @@ def estimate_train(
         gpu["one recomputed layer (peak phase)"] = recompute
     # Stored activations are allocated once per step; what is freed and re-allocated within the
     # step (layer inputs in flight, the peak phase) is what fragments the allocator's blocks.
-    churn = sum(v for k, v in gpu.items() if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS)
+    churn = sum(v for k, v in gpu.items() if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS + _GRAPH_TERMS)
     offloaded = mode in ("unsloth", "offload")
     share = _FRAGMENTATION_EAGER if not fused else _FRAGMENTATION_OFFLOADED if offloaded else _FRAGMENTATION
     gpu["allocator fragmentation"] = (

@@ -48,12 +48,15 @@ def packed_sft(
     gradient_checkpointing: bool | str,
     plan: RunPlan | None = None,
     callbacks: list[TrainerCallback] | None = None,
+    cuda_graphs: bool | None = None,
 ) -> TrainReport:
     """Train the LoRA adapter; micro-batch, accumulation and checkpointing may be downshifted by the guard.
 
     Args:
         plan: the flow's run plan (the adapter card names the base model's license); resolved when not given.
         callbacks: extra Trainer callbacks (benchmarks/profile_step.py profiles the product's steps with one).
+        cuda_graphs: whether to capture the layers' backward (default `train.cuda_graphs`; the flow turns them off
+            where their memory does not fit the budget).
     """
     model = registry.get(model_handle)
     current = registry.get(checkpointing_handle)
@@ -79,6 +82,7 @@ def packed_sft(
         micro_batch_size=micro_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps,
         callbacks=callbacks,
+        cuda_graphs=spec.train.cuda_graphs if cuda_graphs is None else cuda_graphs,
     )
     describe_adapter(spec, report, plan_for(spec, plan))
     return report

@@ -83,6 +83,8 @@ def varlen_attention_forward(
         out = torch.empty_like(q)
         bounds = cu.tolist()
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            if start == end:  # an empty segment the collator padded the boundaries with
+                continue
             seg = [t[start:end].transpose(0, 1) for t in (q, k, v)]
             out[start:end] = F.scaled_dot_product_attention(
                 *seg, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != heads

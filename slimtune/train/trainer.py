@@ -36,7 +36,7 @@ from slimtune import atomic
 from slimtune.charts import LOSS_CURVE_KEY
 from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
 from slimtune.evaluate import perplexity
-from slimtune.memory.checkpointing import parameters_from_lists
+from slimtune.memory.checkpointing import graphed_backward, parameters_from_lists
 from slimtune.spec import DataSpec, TrainSpec
 from slimtune.train import checkpoints
 from slimtune.train.attention import prefer_varlen
@@ -60,6 +60,7 @@ _OPERATIONAL = {
     "save_steps",
     "save_total_limit",
     "kernels",
+    "cuda_graphs",
     "num_gpus",
     "report_to",
 }
@@ -97,6 +98,9 @@ class TrainReport:
     # This process's share of each logged loss: under DDP the logged loss is the mean of the ranks' shares
     # (each rank's summed token losses x world size / the whole step's target tokens); one process: = losses.
     rank_losses: list[float] = field(default_factory=list)
+    # CUDA graphs of the layers' backward: "N captured, M replays", with why they went off if they did; None
+    # where they were not used (train.cuda_graphs false, more than one process, or `graphs_refusal`'s reasons)
+    cuda_graphs: str | None = None
 
 
 class _Meter:
@@ -250,6 +254,7 @@ def train_adapter(
     micro_batch_size: int,
     gradient_accumulation_steps: int,
     callbacks: list[TrainerCallback] | None = None,
+    cuda_graphs: bool | None = None,
 ) -> TrainReport:
     """Train the LoRA adapter of `model` on `examples`; resume from the latest complete checkpoint.
 
@@ -258,6 +263,7 @@ def train_adapter(
         micro_batch_size: rows per forward pass (the memory guard may lower it on a retry).
         gradient_accumulation_steps: micro-batches per optimizer step (raised with a lower micro-batch).
         callbacks: extra Trainer callbacks (e.g. the memory guard's).
+        cuda_graphs: capture each checkpointed layer's backward (`graphed_backward`); default `train.cuda_graphs`.
 
     Returns:
         The report, also written to run_dir/train_report.json; the adapter is in run_dir/adapter.
@@ -348,18 +354,26 @@ def train_adapter(
         trainer.add_callback(_PublishCheckpoint(trainer, ckpt_root))
         began = trainer.began = time.perf_counter()
         trainer.seconds_before = seconds_before
+        graphs, graphs_note = None, None
         if resume_from is not None and _finished(resume_from):
             _restore_finished(trainer, model, resume_from)
         else:
             # one process: Trainer's per-step walks of the model, and each checkpointed layer's walk for its
-            # trainable parameters, from lists (DDP and FSDP wrap modules in train())
+            # trainable parameters, from lists (DDP and FSDP wrap modules in train()); the layers' backward as
+            # CUDA graphs (DDP reduces gradients from hooks on each parameter's accumulation, which a graph skips)
             walks = contextlib.ExitStack()
             if args.world_size == 1:
                 walks.enter_context(walks_from_lists(model))
                 walks.enter_context(parameters_from_lists(model))
+                if train.cuda_graphs if cuda_graphs is None else cuda_graphs:
+                    graphs = walks.enter_context(graphed_backward(model))
             try:
                 with walks:
                     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+                    if graphs is not None:
+                        graphs_note = f"{graphs.captured} captured, {graphs.replays} replays"
+                        graphs_note += f"; off after a failed capture: {graphs.reason}" if graphs.reason else ""
+                        run_logger().info("CUDA graphs of the layers' backward: %s", graphs_note)
             except Exception as e:
                 if not checkpoints.is_disk_full(e):  # the checkpoints are training's only large writes
                     raise
@@ -421,6 +435,7 @@ def train_adapter(
         rank_losses=[float(v) for v in torch.stack(trainer.rank_losses).tolist()] if trainer.rank_losses else [],
         perplexity_before=perplexity(eval_before),
         perplexity_after=perplexity(eval_after),
+        cuda_graphs=graphs_note,
     )
     report.run_id, report.finished_at = _run_identity()
     if trainer.is_world_process_zero():

@@ -1,0 +1,291 @@
+"""CUDA graphs of the backward of "unsloth"-checkpointed decoder layers: one graph launch per layer and step,
+where the host issued ~150 kernel launches and the Python around them.
+
+Why: at 1B, and at batch 1, a training step is bound by the host, not the GPU. On an H100 a 1B step at batch 1
+kept the GPU busy 0.046 s of ~0.2 s, and a layer's recompute plus backward took 10 ms of host time against 2 ms
+for its forward without grad (benchmarks/results/profiles/host-costs-1b-seq2048-h100-2026-11-23e.json). That
+backward is the same ops on tensors of the same shapes at every step, so it is captured once per layer and
+input shape, and replayed with its inputs copied into static buffers.
+
+What keeps a replay right:
+- A graph reads the storage it was captured with. The layer's inputs are copied into static buffers kept per
+  input key (shapes, dtypes, non-tensor arguments); parameters and NF4 weights keep their storage; the kernels'
+  scratch buffers are referenced by each graph that used them, so a release cannot free them under it. The
+  LoRA kernel casts its adapters inside a capture (`torch.cuda.is_current_stream_capturing`) instead of taking
+  the casts its forward made, which are new tensors every step.
+- The first backward of a layer at a key runs eagerly: Triton compiles and the scratch buffers grow outside any
+  capture. The second captures, then replays.
+- Only for layers without randomness: `graphs_refusal` says why a model cannot use them (dropout), and the
+  caller does not create them then.
+- Whatever a capture refuses (a host sync, a copy from pageable memory) turns graphs off for the run with the
+  reason logged, and that backward runs eagerly. The result never depends on whether a graph ran.
+
+Memory: per hidden-state shape, three buffers of that shape (the input, and two gradient buffers that
+consecutive layers alternate between, so a layer's input gradient is the next graph's input without a copy);
+one set of LoRA-gradient buffers for all layers of the same adapter shapes; and one private pool for what the
+layers' backward allocates inside the graphs, shared by all graphs (they never run concurrently).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slimtune.kernels import scratch
+
+log = logging.getLogger(__name__)
+
+MAX_KEYS = 8  # input shapes captured per run; a batch shape beyond them runs eagerly
+_MAX_SEEN = 4096  # (layer, key) pairs remembered as run once
+
+# (hidden, rest, kwargs) -> the layer's output, recomputed with grad
+LayerCall = Callable[[torch.Tensor, tuple[Any, ...], dict[str, Any]], torch.Tensor]
+
+
+class _Unkeyable(Exception):
+    """An argument a graph cannot be keyed on (neither a tensor, a container nor a plain constant)."""
+
+
+def _flatten(value: Any, tensors: list[torch.Tensor], spec: list[Any]) -> None:
+    """Append `value`'s tensors to `tensors` and its structure and constants to `spec` (the key)."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        spec.append(("tensor", tuple(value.shape), value.dtype, value.device))
+    elif type(value) in (tuple, list):
+        spec.append((type(value).__name__, len(value)))
+        for item in value:
+            _flatten(item, tensors, spec)
+    elif type(value) is dict:
+        spec.append(("dict", tuple(value)))
+        for item in value.values():
+            _flatten(item, tensors, spec)
+    elif value is None or type(value) in (bool, int, float, str, torch.dtype):
+        spec.append((type(value).__name__, value))
+    else:
+        raise _Unkeyable(type(value).__name__)
+
+
+def _rebuild(value: Any, statics: Any) -> Any:
+    """`value` with each tensor replaced, in order, by the next of the iterator `statics`."""
+    if isinstance(value, torch.Tensor):
+        return next(statics)
+    if type(value) in (tuple, list):
+        return type(value)(_rebuild(item, statics) for item in value)
+    if type(value) is dict:
+        return {name: _rebuild(item, statics) for name, item in value.items()}
+    return value
+
+
+@contextlib.contextmanager
+def _swapped(
+    owners: dict[int, tuple[torch.nn.Module, str]], params: tuple[torch.Tensor, ...], aliases: list[torch.Tensor]
+) -> Iterator[None]:
+    """Within the block, each of `params` is replaced in its module by its alias."""
+    for p, alias in zip(params, aliases, strict=True):
+        module, name = owners[id(p)]
+        module._parameters[name] = alias
+    try:
+        yield
+    finally:
+        for p in params:
+            module, name = owners[id(p)]
+            module._parameters[name] = p
+
+
+def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+class _Inputs:
+    """The static buffers of one key, shared by every layer's graph of that key: the hidden state and the two
+    gradient buffers (shared with every key of the same hidden shape), and the layer's other tensor arguments."""
+
+    def __init__(
+        self, hidden: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor], tensors: list[torch.Tensor]
+    ) -> None:
+        self.hidden, self.grads = hidden, grads
+        unique: dict[int, int] = {}
+        self.slots = [unique.setdefault(id(t), len(unique)) for t in tensors]  # one buffer per distinct tensor
+        firsts = {slot: t for slot, t in zip(self.slots, tensors, strict=True)}
+        self.tensors = [torch.empty_like(firsts[slot]) for slot in range(len(unique))]
+        self.sources: list[torch.Tensor] = []  # the tensors last copied in: the same ones serve every layer of a step
+
+    def load(self, tensors: list[torch.Tensor]) -> None:
+        """Copy the layer's tensor arguments in, unless they are the ones already there (held, so ids stay valid)."""
+        firsts = list({slot: t for slot, t in zip(self.slots, tensors, strict=True)}.values())
+        if len(firsts) == len(self.sources) and all(a is b for a, b in zip(firsts, self.sources, strict=True)):
+            return
+        for buffer, source in zip(self.tensors, firsts, strict=True):
+            buffer.copy_(source)
+        self.sources = firsts
+
+    def statics(self) -> list[torch.Tensor]:
+        return [self.tensors[slot] for slot in self.slots]
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    params: tuple[torch.Tensor, ...]
+    hidden_grad: torch.Tensor | None
+    param_grads: list[torch.Tensor | None]
+    keep: list[torch.Tensor]  # storage the graph reads that no one else is bound to keep (scratch buffers)
+
+
+class LayerGraphs:
+    """Captures and replays the backward of checkpointed decoder layers on one CUDA device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.enabled = True
+        self.reason: str | None = None  # why graphs were turned off, if they were
+        self.captured = 0  # graphs captured, and replays run, in all (they stay after `release`)
+        self.replays = 0
+        self._pool = torch.cuda.graph_pool_handle()
+        self._stream = torch.cuda.Stream(device)
+        self._inputs: dict[tuple, _Inputs] = {}
+        self._states: dict[tuple, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._graphs: dict[tuple, _Captured] = {}
+        self._seen: set[tuple] = set()
+        # Where the graphs write parameter gradients, per list of parameter shapes: shared by layers of equal shapes.
+        # Autograd accumulates a layer's gradients (its highest-priority nodes) before it runs the next layer.
+        self._grads: dict[tuple, list[torch.Tensor]] = {}
+
+    def backward(
+        self,
+        layer: torch.nn.Module,
+        idx: int,
+        call: LayerCall,
+        rest: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        hidden: torch.Tensor,
+        grad_out: torch.Tensor,
+        params: tuple[torch.Tensor, ...],
+        hidden_grad: bool,
+        context: tuple,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]] | None:
+        """Layer `idx`'s (input gradient, parameter gradients) from its graph, or None: run it eagerly.
+
+        `call(hidden, rest, kwargs)` recomputes the layer with grad; `context` is whatever else decides what
+        it computes (autocast), part of the key.
+        """
+        if not self.enabled:
+            return None
+        tensors: list[torch.Tensor] = []
+        spec: list[Any] = [hidden.shape, hidden.dtype, grad_out.shape, grad_out.dtype, hidden_grad, context]
+        try:
+            _flatten((rest, kwargs), tensors, spec)
+        except _Unkeyable:
+            return None
+        key = tuple(spec)
+        inputs = self._inputs.get(key)
+        if inputs is None and len(self._inputs) >= MAX_KEYS:
+            return None
+        entry = self._graphs.get((idx, key))
+        if entry is not None and not _same(entry.params, params):
+            return None  # the layer trains other parameters than when captured
+        if entry is None:
+            if (idx, key) not in self._seen:
+                if len(self._seen) >= _MAX_SEEN:  # shapes that change every step (padding-free batches)
+                    self._seen.clear()
+                self._seen.add((idx, key))
+                return None  # eager first: compiles kernels and grows scratch buffers outside a capture
+            if inputs is None:
+                inputs = self._inputs[key] = _Inputs(*self._state(hidden, grad_out), tensors)
+            inputs.load(tensors)
+            entry = self._capture(layer, idx, inputs, call, rest, kwargs, params, hidden_grad)
+            if entry is None:
+                return None
+            self._graphs[(idx, key)] = entry
+            self.captured += 1
+        inputs.load(tensors)
+        inputs.hidden.copy_(hidden)
+        grad_in = inputs.grads[idx % 2]
+        if grad_out is not grad_in:  # else it is the previous layer's graph output, already in place
+            grad_in.copy_(grad_out)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.hidden_grad, entry.param_grads
+
+    def _state(self, hidden: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The hidden-state buffer and the two gradient buffers for inputs of these shapes."""
+        shapes = (hidden.shape, hidden.dtype, grad_out.shape, grad_out.dtype)
+        if shapes not in self._states:
+            like = functools.partial(torch.empty_like, memory_format=torch.contiguous_format)
+            self._states[shapes] = (like(hidden), (like(grad_out), like(grad_out)))
+        return self._states[shapes]
+
+    def _capture(
+        self,
+        layer: torch.nn.Module,
+        idx: int,
+        inputs: _Inputs,
+        call: LayerCall,
+        rest: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        params: tuple[torch.Tensor, ...],
+        hidden_grad: bool,
+    ) -> _Captured | None:
+        owners = {id(p): (module, name) for module in layer.modules() for name, p in module._parameters.items()}
+        if not all(id(p) in owners for p in params):
+            return None  # a trainable parameter outside the layer's modules: no alias for it, stay eager
+        shapes = tuple((p.shape, p.dtype) for p in params)
+        grads = self._grads.get(shapes)
+        if grads is None:
+            grads = self._grads[shapes] = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+        statics = iter(inputs.statics())
+        static_rest, static_kwargs = _rebuild(rest, statics), _rebuild(kwargs, statics)
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        # The layer runs on aliases of its trainable parameters (same storage, new leaves): autograd sends a
+        # parameter's gradient to its accumulation node, which the step's forward made on the main stream, and a
+        # wait of that stream on the capturing one is an error that ends the capture.
+        aliases = [torch.nn.Parameter(p.detach(), requires_grad=True) for p in params]
+        try:
+            with torch.cuda.stream(self._stream), _swapped(owners, params, aliases):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    hidden = inputs.hidden.detach().requires_grad_(hidden_grad)
+                    out = call(hidden, static_rest, static_kwargs)
+                    wrt = ([hidden] if hidden_grad else []) + aliases
+                    made = list(torch.autograd.grad(out, wrt, inputs.grads[idx % 2], allow_unused=True))
+                    del out
+                    written = None
+                    if hidden_grad:
+                        written = inputs.grads[(idx + 1) % 2]
+                        written.copy_(made.pop(0))
+                    used = [m is not None for m in made]
+                    pairs = [(g, m) for g, m in zip(grads, made, strict=True) if m is not None]
+                    if pairs:
+                        torch._foreach_copy_([g for g, _ in pairs], [m for _, m in pairs])
+                    del made, pairs
+                finally:
+                    graph.capture_end()
+        except Exception as err:  # any refusal: the step goes on eagerly, and so does the run
+            while err.__context__ is not None:  # the first error: what ended the capture, not its aftermath
+                err = err.__context__
+            self.enabled = False
+            self.reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            log.warning("CUDA graphs of the layers' backward are off for this run: a capture failed (%s)", self.reason)
+            current.wait_stream(self._stream)
+            return None
+        current.wait_stream(self._stream)
+        param_grads = [g if u else None for g, u in zip(grads, used, strict=True)]
+        keep = list(scratch.BUFFERS.values())
+        return _Captured(graph, tuple(params), written, param_grads, keep)
+
+    def release(self) -> None:
+        """Drop every graph and buffer; the pool's memory goes back with the last graph."""
+        self.enabled = False
+        self._graphs.clear()
+        self._inputs.clear()
+        self._states.clear()
+        self._grads.clear()
+        self._seen.clear()
