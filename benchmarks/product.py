@@ -9,8 +9,9 @@ the other configs, instead of a 16 GB safetensors round trip through `load_4bit`
 The speed is the train report's: each optimizer step is logged (`logging_steps: 1`), each log entry
 carries the tokens/s of its step (real tokens, padding excluded), and the row's figure is the median
 over the steps after `warmup`. Peak allocated covers the whole `packed_sft` call.
-`product_sdpa` is a diagnostic: the same with packed rows left on SDPA with a dense block mask; `product_eager`
-another: the same with `train.cuda_graphs: false`.
+`product` runs with `train.cuda_graphs: true` (opt-in in a spec); `product_eager` is the same with the spec's
+default, `false`. `product_sdpa` is a diagnostic: `product_eager` with packed rows left on SDPA with a dense
+block mask.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def product_worker(
             free_memory(device)
             with rss, mem:
                 name = f"{config}-{model_key}-b{b}"
-                report = train_product(ps, name, b, seq, total_steps, device, cuda_graphs=config != "product_eager")
+                report = train_product(ps, name, b, seq, total_steps, device, cuda_graphs=config == "product")
             row.update(report_stats(report, warmup))
         except torch.OutOfMemoryError as e:
             row.update(status="oom", error=error_text(e))

@@ -130,18 +130,22 @@ class _nothing:
         return False
 
 
-def _batches(n_docs: list[int], seed: int = 0) -> list[dict]:
+def _batches(docs: list[int], seed: int = 0) -> list[dict]:
+    """Batches of two 256-token rows: `docs` examples of 100-200 tokens each (2-4 in the two rows, 16 boundaries)
+    or, for a 0, forty of 8-12 tokens (64 boundaries: another input key)."""
     rng = random.Random(seed)
     collate = RowCollator("packed", 0, flash_varlen=True, packed_length=256)
     out = []
-    for docs in n_docs:
-        lengths = [rng.randint(8, 2 * 256 // docs) for _ in range(docs)]
+    for n in docs:
+        lengths = [rng.randint(100, 200) for _ in range(n)] if n else [rng.randint(8, 12) for _ in range(40)]
         examples = [
-            Example([rng.randrange(_VOCAB) for _ in range(n)], [rng.randrange(_VOCAB) for _ in range(n)])
-            for n in lengths
+            Example([rng.randrange(_VOCAB) for _ in range(k)], [rng.randrange(_VOCAB) for _ in range(k)])
+            for k in lengths
         ]
-        rows = pack(examples, 256)[:2]
-        batch = collate(rows)
+        rows = pack(examples, 256)
+        assert len(rows) >= 2
+        batch = collate(rows[:2])
+        assert len(batch["cu_seq_lens_q"]) == (16 if n else 64)
         out.append({k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items() if not k.startswith("_")})
     return out
 
@@ -153,8 +157,8 @@ def test_graphed_backward_trains_as_the_eager_backward_does() -> None:
 
     torch.manual_seed(0)
     layers = 3
-    # 4-6 examples per batch (16 boundaries), then 20 (32): the last step is a new key, hence eager
-    batches = _batches([4, 6, 5, 4, 6, 20])
+    # five batches of one key (16 boundaries), then one of another (64): the last step is a new key, hence eager
+    batches = _batches([6, 8, 7, 6, 8, 0])
     runs = []
     for graphs_on in (False, True):
         model = _lora(device="cuda", quantize=True, num_hidden_layers=layers, hidden_size=256, intermediate_size=512)
@@ -191,7 +195,7 @@ def test_a_capture_the_graph_refuses_turns_graphs_off_and_the_step_stays_right()
     from slimtune.train.attention import prefer_varlen
 
     torch.manual_seed(0)
-    batches = _batches([4, 5, 6])
+    batches = _batches([6, 7, 8])
     runs = []
     for syncing in (False, True):
         model = _lora(device="cuda", quantize=True, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
@@ -207,6 +211,8 @@ def test_a_capture_the_graph_refuses_turns_graphs_off_and_the_step_stays_right()
     (clean, eager), (refused, fallback) = runs
     assert clean.reason is None and clean.captured == 2
     assert refused.reason is not None and refused.captured == 0 and refused.replays == 0
+    torch.randn(4, device="cuda")  # the random generator left capture mode with the failed capture
+    torch.nn.functional.dropout(torch.ones(8, device="cuda"), 0.5)
     for (loss_e, ref), (loss_f, got) in zip(eager, fallback, strict=True):
         assert loss_f == pytest.approx(loss_e, rel=1e-3)
         for name, g in got.items():

@@ -274,12 +274,29 @@ class LayerGraphs:
             self.enabled = False
             self.reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
             log.warning("CUDA graphs of the layers' backward are off for this run: a capture failed (%s)", self.reason)
+            self._end_generator_capture()
             current.wait_stream(self._stream)
             return None
         current.wait_stream(self._stream)
         param_grads = [g if u else None for g, u in zip(grads, used, strict=True)]
         keep = list(scratch.BUFFERS.values())
         return _Captured(graph, tuple(params), written, param_grads, keep)
+
+    def _end_generator_capture(self) -> None:
+        """Put the CUDA random generator back out of capture mode after a failed capture.
+
+        A capture registers the default generator, and only a capture that ends well releases it: after a failed
+        one every random op of the process raised "Offset increment outside graph capture" (seen on an H100,
+        torch 2.11). An empty capture begins and ends it again; in a pool of its own, because the failed capture
+        also left the allocator recording into the graphs' pool (for the capture stream, never used again).
+        """
+        try:
+            with torch.cuda.stream(self._stream):
+                empty = torch.cuda.CUDAGraph()
+                empty.capture_begin()
+                empty.capture_end()
+        except Exception as err:
+            log.warning("the CUDA random generator may be left in capture mode: %s", err)
 
     def release(self) -> None:
         """Drop every graph and buffer; the pool's memory goes back with the last graph."""
