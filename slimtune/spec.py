@@ -266,7 +266,7 @@ class TrainSpec(_Section):
         False,
         description='Replay each decoder layer\'s backward as a CUDA graph (one CUDA GPU, "unsloth" checkpointing, '
         "no dropout): one launch per layer where the host issued ~150; 1B at batch 1 on an H100 trains ~2x faster. "
-        "Opt-in: not yet held to guard.gpu_memory_fraction, nor tested with out-of-memory recovery.",
+        "Opt-in: not yet tested with guard.gpu_memory_fraction or out-of-memory recovery.",
     )
     num_gpus: int = Field(1, ge=1, le=64, description="Data-parallel GPUs on this host (torchrun).")
     parallelism: Literal["ddp", "fsdp"] = Field(
