@@ -9,9 +9,8 @@ the other configs, instead of a 16 GB safetensors round trip through `load_4bit`
 The speed is the train report's: each optimizer step is logged (`logging_steps: 1`), each log entry
 carries the tokens/s of its step (real tokens, padding excluded), and the row's figure is the median
 over the steps after `warmup`. Peak allocated covers the whole `packed_sft` call.
-`product` runs with `train.cuda_graphs: true` (opt-in in a spec); `product_eager` is the same with the spec's
-default, `false`. `product_sdpa` is a diagnostic: `product_eager` with packed rows left on SDPA with a dense
-block mask.
+`product` runs with the spec's default `train.cuda_graphs: true`; `product_eager` is the same with `false`.
+`product_sdpa` is a diagnostic: `product_eager` with packed rows left on SDPA with a dense block mask.
 """
 
 from __future__ import annotations

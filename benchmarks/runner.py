@@ -11,7 +11,7 @@ fused AdamW, one fixed random batch):
            callbacks) on a chat JSONL; tokens/s from the train report's steps after warm-up (benchmarks/product.py)
   ours     a diagnostic hand loop: enable_checkpointing(model, "unsloth") + apply_kernels(model, "auto")
   product_sdpa  a diagnostic: product with packed rows on SDPA's dense block mask instead of varlen flash
-  product_eager  product with the spec default train.cuda_graphs: false (product runs with true, opt-in)
+  product_eager  product with train.cuda_graphs: false (product runs with the default, true)
 A config whose package does not import is recorded as "not installed"; nothing is ever estimated.
 
 Isolation: one worker process per (model, process group). hf_gc and hf_nogc share a process and a model

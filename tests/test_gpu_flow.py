@@ -99,3 +99,37 @@ def test_flow_recovers_from_oom_and_cleanup_returns_memory(prefect_harness, tmp_
     assert trained["micro_batch_size"] < 8
     assert not cleaned["survivors"], cleaned["survivors"]  # what still holds the model, if it outlived cleanup
     assert cleaned["after"]["gpu_allocated"] - baseline <= 64 * 2**20, cleaned
+
+
+def test_flow_trains_through_cuda_graphs_within_its_budget_and_cleanup_frees_their_pool(prefect_harness, tmp_path):
+    """The defaults ("unsloth" checkpointing, train.cuda_graphs) under a memory budget: the layers' backward runs
+    as graphs, reserved memory stays within the budget, and after cleanup the graphs' pool is gone too."""
+    from slimtune.flows import finetune
+    from slimtune.spec import parse_spec
+
+    torch.cuda.init()
+    baseline = torch.cuda.memory_allocated()
+    budget = 6 * 2**30  # the estimate with graphs at micro-batch 2: ~4 GiB with the CUDA context
+    spec = parse_spec(
+        {
+            "name": "gpu-graphs",
+            "output_dir": str(tmp_path / "runs"),
+            "model": {"name_or_path": str(_model_dir(tmp_path)), "device": "cuda"},
+            "data": {"path": str(_data(tmp_path)), "format": "text", "max_seq_length": 2048, "eval_fraction": 0.0},
+            "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 4, "save_steps": 100},
+            "guard": {"gpu_memory_fraction": round(budget / torch.cuda.get_device_properties(0).total_memory, 3)},
+            "export": {"gguf": []},
+        }
+    )
+    assert spec.train.cuda_graphs and spec.lora.gradient_checkpointing == "unsloth"
+    torch.cuda.reset_peak_memory_stats()
+    summary = finetune(spec)
+    trained, cleaned = summary["packed_sft"], summary["cleanup"]
+    # 16 layers captured at step 2, replayed from then on: "16 captured, 48 replays"
+    captured, replays = (int(part.split()[0]) for part in trained["cuda_graphs"].split(", ")[:2])
+    assert captured == 16 and replays >= 2 * 16, trained["cuda_graphs"]
+    assert torch.cuda.max_memory_reserved() <= budget
+    assert not cleaned["survivors"], cleaned["survivors"]
+    assert cleaned["after"]["gpu_allocated"] - baseline <= 64 * 2**20, cleaned
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() - baseline <= 256 * 2**20  # no pool left behind

@@ -3,6 +3,7 @@ training through them computes what the eager backward computes."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -13,14 +14,14 @@ from slimtune.data import Example, RowCollator, pack
 from slimtune.families import lora_target_modules
 from slimtune.memory.checkpointing import enable_checkpointing, graphed_backward, graphs_refusal, recomputing
 from slimtune.memory.layer_graphs import LayerGraphs
-from slimtune.tiny import build_model
+from slimtune.tiny import FAMILIES, build_model
 
 _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _VOCAB = 128
 
 
-def _lora(dropout: float = 0.0, device: str = "cpu", quantize: bool = False, **overrides):
-    base = build_model("llama", _VOCAB, **overrides).to(device)
+def _lora(dropout: float = 0.0, device: str = "cpu", quantize: bool = False, family: str = "llama", **overrides):
+    base = build_model(family, _VOCAB, **overrides).to(device)
     if quantize:
         base = base.to(torch.bfloat16)
         _quantize_nf4(base)
@@ -28,7 +29,7 @@ def _lora(dropout: float = 0.0, device: str = "cpu", quantize: bool = False, **o
         r=8,
         lora_alpha=16,
         lora_dropout=dropout,
-        target_modules=lora_target_modules("llama", _TARGETS),
+        target_modules=lora_target_modules(family, _TARGETS),
         init_lora_weights=False,  # B random too: every adapter gets a gradient from the first step
     )
     return get_peft_model(base, cfg).train()
@@ -41,11 +42,17 @@ def _quantize_nf4(model: torch.nn.Module) -> None:
         for name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear and name != "lm_head":
                 q = bnb.nn.Linear4bit(
-                    child.in_features, child.out_features, bias=False, compute_dtype=torch.bfloat16, device="meta"
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    compute_dtype=torch.bfloat16,
+                    device="meta",
                 )
                 q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4", module=q)
                 q.weight._quantize(child.weight.device)
                 q.quant_state = q.weight.quant_state
+                if child.bias is not None:  # Qwen2's q/k/v
+                    q.bias = child.bias
                 setattr(module, name, q)
     model.is_loaded_in_4bit = True
 
@@ -130,11 +137,11 @@ class _nothing:
         return False
 
 
-def _batches(docs: list[int], seed: int = 0) -> list[dict]:
+def _batches(docs: list[int], seed: int = 0, varlen: bool = True) -> list[dict]:
     """Batches of two 256-token rows: `docs` examples of 100-200 tokens each (2-4 in the two rows, 16 boundaries)
-    or, for a 0, forty of 8-12 tokens (64 boundaries: another input key)."""
+    or, for a 0, forty of 8-12 tokens (64 boundaries: another input key under varlen attention)."""
     rng = random.Random(seed)
-    collate = RowCollator("packed", 0, flash_varlen=True, packed_length=256)
+    collate = RowCollator("packed", 0, flash_varlen=varlen, packed_length=256)
     out = []
     for n in docs:
         lengths = [rng.randint(100, 200) for _ in range(n)] if n else [rng.randint(8, 12) for _ in range(40)]
@@ -145,33 +152,35 @@ def _batches(docs: list[int], seed: int = 0) -> list[dict]:
         rows = pack(examples, 256)
         assert len(rows) >= 2
         batch = collate(rows[:2])
-        assert len(batch["cu_seq_lens_q"]) == (16 if n else 64)
+        assert not varlen or len(batch["cu_seq_lens_q"]) == (16 if n else 64)
         out.append({k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items() if not k.startswith("_")})
     return out
 
 
 @pytest.mark.gpu
-def test_graphed_backward_trains_as_the_eager_backward_does() -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graphed_backward_trains_as_the_eager_backward_does(family: str) -> None:
     from slimtune.kernels import apply_kernels
     from slimtune.train.attention import prefer_varlen
 
     torch.manual_seed(0)
     layers = 3
-    # five batches of one key (16 boundaries), then one of another (64): the last step is a new key, hence eager
-    batches = _batches([6, 8, 7, 6, 8, 0])
     runs = []
     for graphs_on in (False, True):
-        model = _lora(device="cuda", quantize=True, num_hidden_layers=layers, hidden_size=256, intermediate_size=512)
+        model = _lora(device="cuda", quantize=True, family=family, num_hidden_layers=layers)
         patch = apply_kernels(model, "auto", recomputing=recomputing)
-        assert "lora_nf4" in patch.applied and "rope" in patch.applied
-        assert prefer_varlen(model, torch.device("cuda"))
+        assert "lora_nf4" in patch.applied
+        # five batches of one key (16 boundaries), then one of another (64 boundaries under varlen attention; under
+        # a block mask, the same shapes: replayed too)
+        varlen = prefer_varlen(model, torch.device("cuda"))
+        batches = _batches([6, 8, 7, 6, 8, 0], varlen=varlen)
         grads: list = []
         with enable_checkpointing(model, "unsloth"):
             graphs = _train(model, batches, grads, graphs_on)
         runs.append(grads)
     assert graphs is not None and graphs.reason is None
-    # step 0 eager, step 1 captures each layer and replays, steps 2-4 replay, step 5 (a new key) eager
-    assert graphs.captured == layers and graphs.replays == 4 * layers
+    # step 0 eager, step 1 captures each layer and replays, steps 2-4 replay, step 5 eager where it is a new key
+    assert graphs.captured == layers and graphs.replays == (4 if varlen else 5) * layers
     for step, ((loss_e, eager), (loss_g, graphed)) in enumerate(zip(*runs, strict=True)):
         assert loss_g == pytest.approx(loss_e, rel=1e-3), step
         for name, g in graphed.items():
@@ -217,3 +226,50 @@ def test_a_capture_the_graph_refuses_turns_graphs_off_and_the_step_stays_right()
         assert loss_f == pytest.approx(loss_e, rel=1e-3)
         for name, g in got.items():
             assert float((g - ref[name]).norm() / ref[name].norm()) < 1e-2, name
+    # released, the graphs' pool keeps no memory; the failed capture gave its claim on the pool back too
+    pools = clean._pool, refused._pool
+    del runs, clean, refused, eager, fallback, model, mlp, graphs
+    assert [_pool_bytes(pool) for pool in pools] == [0, 0]
+    # and the allocator knows no capture is under way: it frees cached blocks again
+    block = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    del block
+    cached = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= cached - (1 << 30)
+
+
+def _pool_bytes(pool: tuple[int, int]) -> int:
+    """Bytes the allocator still holds in `pool` after everything freeable was freed."""
+    from slimtune.kernels.scratch import release_scratch
+
+    release_scratch()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if seg["segment_pool_id"] == pool)
+
+
+@pytest.mark.gpu
+def test_out_of_memory_in_a_capture_reaches_the_caller_and_graphs_go_off() -> None:
+    from slimtune.kernels import apply_kernels
+
+    torch.manual_seed(0)
+    batches = _batches([6, 7, 8])
+    model = _lora(device="cuda", quantize=True, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
+    apply_kernels(model, "auto", recomputing=recomputing)
+    mlp = model.get_base_model().model.layers[1].mlp
+    forward = mlp.forward
+
+    def exhausting(x):  # the capture's allocations exceed the device: what a too-large batch meets
+        if torch.cuda.is_current_stream_capturing():
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        return forward(x)
+
+    mlp.forward = exhausting
+    with enable_checkpointing(model, "unsloth"):
+        with pytest.raises(torch.OutOfMemoryError):
+            _train(model, batches, [], True)
+        mlp.forward = forward
+        graphs = _train(model, batches, [], True)  # the retry: graphs of its own, captured as usual
+    assert graphs is not None and graphs.reason is None and graphs.captured == 2
+    torch.randn(4, device="cuda")  # the random generator left the failed capture's mode

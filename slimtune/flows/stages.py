@@ -142,15 +142,18 @@ def packed_sft_task(
             ),
         )
         log.warning("packed_sft %s", chosen)
-    shift = downshift_train(micro_batch, grad_accum, spec.lora.gradient_checkpointing, current_attempt())
+    attempt = current_attempt()
+    shift = downshift_train(micro_batch, grad_accum, spec.lora.gradient_checkpointing, attempt)
     for note in shift.notes:
         log.warning("packed_sft downshift: %s", note)
     device_type = plan.torch_device.type
     estimate = functools.partial(train_estimate, spec, cfg, shift.micro_batch, shift.checkpointing, device_type)
-    # CUDA graphs of the layers' backward hold a recomputed layer in a pool of their own: only where that fits too
-    graphs = spec.train.cuda_graphs and gpu_fits(estimate(cuda_graphs=True), spec, plan)
+    # CUDA graphs of the layers' backward hold a recomputed layer in a pool of their own: an extra, used only on
+    # the first attempt and where the estimate with them fits
+    graphs = spec.train.cuda_graphs and attempt == 1 and gpu_fits(estimate(cuda_graphs=True), spec, plan)
     if spec.train.cuda_graphs and not graphs:
-        log.warning("packed_sft: CUDA graphs of the layers' backward off: the estimate with them exceeds the budget")
+        why = "a retry after running out of memory" if attempt > 1 else "the estimate with them exceeds the budget"
+        log.warning("packed_sft: CUDA graphs of the layers' backward off: %s", why)
     est = estimate(cuda_graphs=graphs)
     batch = {
         "micro_batch_size": shift.micro_batch,

@@ -248,9 +248,15 @@ class LayerGraphs:
         # parameter's gradient to its accumulation node, which the step's forward made on the main stream, and a
         # wait of that stream on the capturing one is an error that ends the capture.
         aliases = [torch.nn.Parameter(p.detach(), requires_grad=True) for p in params]
+        began = ended = False
         try:
             with torch.cuda.stream(self._stream), _swapped(owners, params, aliases):
+                # cuBLAS gives each (thread, stream) a workspace at its first call and keeps it: made in a capture, it
+                # would sit in the graphs' pool, which could then never be freed (seen on an H100: 32 MiB)
+                eye = torch.eye(8, device=self.device, dtype=torch.bfloat16)
+                eye @ eye
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                began = True
                 try:
                     hidden = inputs.hidden.detach().requires_grad_(hidden_grad)
                     out = call(hidden, static_rest, static_kwargs)
@@ -268,28 +274,44 @@ class LayerGraphs:
                     del made, pairs
                 finally:
                     graph.capture_end()
+                    ended = True
         except Exception as err:  # any refusal: the step goes on eagerly, and so does the run
-            while err.__context__ is not None:  # the first error: what ended the capture, not its aftermath
-                err = err.__context__
+            first = err
+            while first.__context__ is not None:  # the first error: what ended the capture, not its aftermath
+                first = first.__context__
             self.enabled = False
-            self.reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            text = str(first).strip()
+            self.reason = f"{type(first).__name__}: {text.splitlines()[0] if text else ''}"
             log.warning("CUDA graphs of the layers' backward are off for this run: a capture failed (%s)", self.reason)
-            self._end_generator_capture()
+            self._end_failed_capture(graph, began, ended)
             current.wait_stream(self._stream)
+            if isinstance(first, torch.OutOfMemoryError):
+                raise first from None  # the memory guard's to handle: its retry runs without graphs
             return None
         current.wait_stream(self._stream)
         param_grads = [g if u else None for g, u in zip(grads, used, strict=True)]
         keep = list(scratch.BUFFERS.values())
         return _Captured(graph, tuple(params), written, param_grads, keep)
 
-    def _end_generator_capture(self) -> None:
-        """Put the CUDA random generator back out of capture mode after a failed capture.
+    def _end_failed_capture(self, graph: torch.cuda.CUDAGraph, began: bool, ended: bool) -> None:
+        """Undo what a failed capture leaves behind: the pool's claim, and the random generator's capture mode.
 
-        A capture registers the default generator, and only a capture that ends well releases it: after a failed
-        one every random op of the process raised "Offset increment outside graph capture" (seen on an H100,
-        torch 2.11). An empty capture begins and ends it again; in a pool of its own, because the failed capture
-        also left the allocator recording into the graphs' pool (for the capture stream, never used again).
+        A capture that began tells the allocator to record into the graphs' pool and claims that pool; a capture
+        that fails to end does neither undo. While the allocator believes a capture is under way it frees no cached
+        block, so after a refused capture ~19 GiB stayed reserved through an out-of-memory error, and the pool could
+        never be freed. The random generator is registered by every capture and released only by one that ends
+        well: after a failed one every random op of the process raised "Offset increment outside graph capture"
+        (all seen on an H100, torch 2.11). An empty capture, in a pool of its own, begins and ends it again.
         """
+        if ended:  # an error inside a capture that still ended (an allocation refused): a graph, unused
+            graph.reset()
+        elif began:
+            index = torch.cuda.current_device() if self.device.index is None else self.device.index
+            try:
+                torch.cuda.memory._cuda_endAllocateToPool(index, self._pool)
+            except RuntimeError:  # this torch's capture_end stopped the recording before it failed
+                pass
+            torch.cuda.memory._cuda_releasePool(index, self._pool)
         try:
             with torch.cuda.stream(self._stream):
                 empty = torch.cuda.CUDAGraph()
@@ -299,8 +321,10 @@ class LayerGraphs:
             log.warning("the CUDA random generator may be left in capture mode: %s", err)
 
     def release(self) -> None:
-        """Drop every graph and buffer; the pool's memory goes back with the last graph."""
+        """Drop every graph and buffer; the pool's memory goes back with the last graph reset."""
         self.enabled = False
+        for entry in self._graphs.values():
+            entry.graph.reset()  # now, not when the last reference goes (a traceback may hold one)
         self._graphs.clear()
         self._inputs.clear()
         self._states.clear()
