@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ._launch import check_device
 
-_CHUNK_BYTES_CAP = 256 << 20  # 1024 tokens x 128256 vocab in bf16; GEMMs this size still run at full rate
+CHUNK_BYTES_CAP = 256 << 20  # 1024 tokens x 128256 vocab in bf16; GEMMs this size still run at full rate
 _CHUNK_BYTES_FLOOR = 32 << 20
 
 
@@ -59,10 +59,10 @@ def _ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, inv_n_ptr, n_vocab, stride
 
 def chunk_tokens_for(n_tokens: int, vocab: int, dtype: torch.dtype, device: torch.device) -> int:
     """Tokens per chunk: logits of one chunk fit in 1/8 of free memory, capped at 256 MiB."""
-    budget = _CHUNK_BYTES_CAP
+    budget = CHUNK_BYTES_CAP
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = max(_CHUNK_BYTES_FLOOR, min(_CHUNK_BYTES_CAP, free // 8))
+        budget = max(_CHUNK_BYTES_FLOOR, min(CHUNK_BYTES_CAP, free // 8))
     rows = budget // (vocab * dtype.itemsize)
     rows = max(16, rows // 128 * 128 if rows >= 128 else rows)  # multiples of 128 keep GEMM tiles full
     return min(n_tokens, rows)

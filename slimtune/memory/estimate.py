@@ -54,8 +54,6 @@ _FRAGMENTATION_EAGER = 0.36
 _FUSED_ACTIVATION_KERNELS = frozenset({"lora_nf4", "rms_norm"})
 _FUSED_STORED = 0.68
 _FUSED_RECOMPUTE = 0.9
-# The fused linear + cross-entropy works on chunks of at most 256 MiB of logits (kernels/fused_linear_ce.py).
-_FUSED_CE_CHUNK_BYTES = 256 << 20
 _FRAGMENTATION_FLOOR = int(0.2 * _GIB)
 # With the input table in host memory, reserved - allocated runs above the tied 1B's at the same tokens
 # (8B at 4 x 2048: 0.57 vs 0.02 GiB offloaded; 0.25-0.41 vs 0.06-0.16 GiB with standard checkpointing).
@@ -415,8 +413,11 @@ def estimate_train(
     if host_table:
         host["input embeddings (pinned)"] = host_table
     if "fused_linear_ce" in kernels:
-        # One chunk of logits (at most 256 MiB) and the float32 gradient of the last hidden state.
-        loss = min(tokens * shape.vocab * compute_dtype_bytes, _FUSED_CE_CHUNK_BYTES) + tokens * shape.hidden * 4
+        # One chunk of logits (the kernel's cap) and the float32 gradient of the last hidden state. Imported here:
+        # the kernel module imports Triton, which an estimate without that kernel never needs.
+        from slimtune.kernels.fused_linear_ce import CHUNK_BYTES_CAP
+
+        loss = min(tokens * shape.vocab * compute_dtype_bytes, CHUNK_BYTES_CAP) + tokens * shape.hidden * 4
     else:
         # The bf16 lm_head output, its float32 upcast in the loss, the saved log-softmax and its
         # float32 gradient (2 + 4 + 4 + 4 bytes, less the upcast freed before the gradient = 12).
