@@ -176,6 +176,8 @@ def worker(key: str, kernels: str, cells: list[dict], root: Path, results: Path,
                     gradient_checkpointing=ckpt,
                 )
             row.update(steps=report.steps, tokens_per_s=round(report.tokens_per_s), batching=report.batching)
+            # "N captured, M replays" where the layers' backward ran as CUDA graphs (train.cuda_graphs, on by default)
+            row["cuda_graphs"] = report.cuda_graphs
             # Where the input table is after training: host_embedding puts it in host memory at attach time.
             row["input_embeddings_device"] = str(registry.get(lora.handle).get_input_embeddings().weight.device)
             if cuda:

@@ -18,6 +18,8 @@ from slimtune.kernels.apply import expected_kernels
 from slimtune.memory.estimate import estimate_export, estimate_load_4bit, estimate_merge, estimate_train
 
 TABLE = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "memory" / "h100-2026-11-23.json"
+# The same grid for 1B and 8B with train.cuda_graphs on: its graphed rows hold the estimate's graph terms
+GRAPHS_TABLE = TABLE.with_name("h100-2026-11-24-graphs.json")
 BAND = (1.0, 1.15)
 _GIB = 1024**3
 
@@ -39,7 +41,9 @@ def _varlen(batching: str | None) -> bool:
     return "flash varlen" in (batching or "")
 
 
-def _train(cfg: dict, micro_batch: int, seq_len: int, checkpointing, kernels, varlen: bool = True) -> object:
+def _train(
+    cfg: dict, micro_batch: int, seq_len: int, checkpointing, kernels, varlen: bool = True, cuda_graphs: bool = False
+) -> object:
     """The product's estimate for a measured cell; `varlen` as the cell ran (every row of this table did)."""
     return estimate_train(
         cfg,
@@ -50,6 +54,7 @@ def _train(cfg: dict, micro_batch: int, seq_len: int, checkpointing, kernels, va
         checkpointing=checkpointing,
         kernels=kernels,
         varlen_attention=varlen,
+        cuda_graphs=cuda_graphs,
     )
 
 
@@ -77,6 +82,24 @@ def test_train_gpu_estimate_holds_every_measured_cell(row):
     assert _in_band(est.gpu_bytes, row["peak_device_used"]), (est.gpu_bytes / row["peak_device_used"], est.breakdown)
     # The weights are counted once: as resident, which preflight subtracts when they are already here.
     assert est.resident_gpu_bytes < est.gpu_bytes and est.context_gpu_bytes > 0
+
+
+def _graphed() -> list[dict]:
+    rows = json.loads(GRAPHS_TABLE.read_text())["rows"]
+    return [r for r in rows if r.get("stage") == "packed_sft" and r.get("outcome") == "completed" and r["cuda_graphs"]]
+
+
+def test_the_graphs_table_graphed_every_unsloth_cell_of_1b_and_8b():
+    graphed = _graphed()
+    assert {(r["model"], r["checkpointing"]) for r in graphed} == {("1b", "unsloth"), ("8b", "unsloth")}
+    assert len(graphed) == 8 and all(r["cuda_graphs"].split()[0] != "0" for r in graphed)
+
+
+@pytest.mark.parametrize("row", _graphed(), ids=_id)
+def test_train_gpu_estimate_with_cuda_graphs_holds_every_graphed_cell(row):
+    cell = (row["micro_batch"], row["seq_len"], row["checkpointing"], row["applied_kernels"])
+    est = _train(row["config"], *cell, varlen=_varlen(row.get("batching")), cuda_graphs=True)
+    assert _in_band(est.gpu_bytes, row["peak_device_used"]), (est.gpu_bytes / row["peak_device_used"], est.breakdown)
 
 
 @pytest.mark.parametrize("row", _measured("load_4bit"), ids=_id)

@@ -64,6 +64,10 @@ _OFFLOAD_IN_FLIGHT = 3
 _STORED_TERMS = ("activations (no checkpointing)", "checkpointed layer inputs")
 _WEIGHT_TERMS = ("nf4 linears", "embeddings and lm_head", "norms and biases")
 _STATE_TERMS = ("lora weights and grads (fp32)", "optimizer state", _CONTEXT_TERM)
+# The graphs' private pool holds what a layer's recompute and backward allocate inside the capture: measured, 0.75
+# of the recomputed layer counted here puts every graphed cell of benchmarks/results/memory/h100-2026-11-24-graphs.json
+# (1B and 8B, 1-4 x 2048-8192) within the calibration band (1.00-1.14 x measured); 1.0 overcounted 1B by up to 24%.
+_GRAPH_POOL = 0.75
 # allocated once per run, and the private pool is no block of the allocator's to fragment
 _GRAPH_TERMS = ("CUDA graphs: static inputs and LoRA gradients", "CUDA graphs: private pool (one recomputed layer)")
 # bitsandbytes 4-bit blocks: 64 weights share one absmax; with double quantisation 256 absmax
@@ -344,9 +348,8 @@ def estimate_train(
 
     `cuda_graphs`: `train.cuda_graphs` will capture each layer's backward (`slimtune.memory.layer_graphs`, with
     "unsloth" checkpointing): its static buffers (three layer inputs, one set of LoRA gradients) and its private
-    pool, which holds one recomputed layer apart from the allocator's other blocks. Measured on an H100 at 1B
-    (`benchmarks/runner.py`, product vs product_eager): peak reserved +0.25 GiB at 1 x 2048, +0.93 GiB at
-    4 x 2048 (two input keys); not in the calibration table yet, whose rows ran without graphs.
+    pool, which holds most of one recomputed layer apart from the allocator's other blocks. Calibrated on an H100
+    (`benchmarks/results/memory/h100-2026-11-24-graphs.json`, tests/test_memory_calibration.py).
 
     `shard_ranks` > 1 is FSDP-QLoRA: each rank keeps 1/shard_ranks of the weights, LoRA weights, grads
     and optimizer state, and gathers whole layers while it computes them (the one it computes and the
@@ -406,7 +409,7 @@ def estimate_train(
             if cuda_graphs and on_gpu:
                 layer_lora = -(-lora // shape.layers)
                 gpu[_GRAPH_TERMS[0]] = 3 * tokens * layer_input + layer_lora * 4
-                gpu[_GRAPH_TERMS[1]] = recompute
+                gpu[_GRAPH_TERMS[1]] = int(_GRAPH_POOL * recompute)
     else:
         raise ValueError(f"lora.gradient_checkpointing is {checkpointing!r}; use false, true, 'standard' or 'unsloth'")
 
