@@ -250,7 +250,7 @@ def _pool_bytes(pool: tuple[int, int]) -> int:
 
 
 @pytest.mark.gpu
-def test_out_of_memory_in_a_capture_reaches_the_caller_and_graphs_go_off() -> None:
+def test_out_of_memory_in_a_capture_reaches_the_caller_and_the_next_run_captures() -> None:
     from slimtune.kernels import apply_kernels
 
     torch.manual_seed(0)

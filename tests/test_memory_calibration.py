@@ -75,10 +75,16 @@ def test_the_table_covers_the_grid_the_issue_names():
     assert len(cells) >= 40
 
 
+def _cell_estimate(row: dict) -> object:
+    """The estimate for a measured training cell, as it ran: varlen attention or not, CUDA graphs or not (a row
+    without a `cuda_graphs` field predates them)."""
+    cell = (row["micro_batch"], row["seq_len"], row["checkpointing"], row["applied_kernels"])
+    return _train(row["config"], *cell, varlen=_varlen(row.get("batching")), cuda_graphs=bool(row.get("cuda_graphs")))
+
+
 @pytest.mark.parametrize("row", _measured("packed_sft"), ids=_id)
 def test_train_gpu_estimate_holds_every_measured_cell(row):
-    cell = (row["micro_batch"], row["seq_len"], row["checkpointing"], row["applied_kernels"])
-    est = _train(row["config"], *cell, varlen=_varlen(row.get("batching")))
+    est = _cell_estimate(row)
     assert _in_band(est.gpu_bytes, row["peak_device_used"]), (est.gpu_bytes / row["peak_device_used"], est.breakdown)
     # The weights are counted once: as resident, which preflight subtracts when they are already here.
     assert est.resident_gpu_bytes < est.gpu_bytes and est.context_gpu_bytes > 0
@@ -97,8 +103,7 @@ def test_the_graphs_table_graphed_every_unsloth_cell_of_1b_and_8b():
 
 @pytest.mark.parametrize("row", _graphed(), ids=_id)
 def test_train_gpu_estimate_with_cuda_graphs_holds_every_graphed_cell(row):
-    cell = (row["micro_batch"], row["seq_len"], row["checkpointing"], row["applied_kernels"])
-    est = _train(row["config"], *cell, varlen=_varlen(row.get("batching")), cuda_graphs=True)
+    est = _cell_estimate(row)
     assert _in_band(est.gpu_bytes, row["peak_device_used"]), (est.gpu_bytes / row["peak_device_used"], est.breakdown)
 
 

@@ -307,10 +307,10 @@ class LayerGraphs:
             graph.reset()
         elif began:
             index = torch.cuda.current_device() if self.device.index is None else self.device.index
-            try:
+            # torch 2.11 stops the recording only after the capture ended well; should a torch stop it earlier, the
+            # allocator refuses to stop a recording it no longer has
+            with contextlib.suppress(RuntimeError):
                 torch.cuda.memory._cuda_endAllocateToPool(index, self._pool)
-            except RuntimeError:  # this torch's capture_end stopped the recording before it failed
-                pass
             torch.cuda.memory._cuda_releasePool(index, self._pool)
         try:
             with torch.cuda.stream(self._stream):
