@@ -3,6 +3,7 @@ training through them computes what the eager backward computes."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import random
 
@@ -12,7 +13,14 @@ from peft import LoraConfig, get_peft_model
 
 from slimtune.data import Example, RowCollator, pack
 from slimtune.families import lora_target_modules
-from slimtune.memory.checkpointing import enable_checkpointing, graphed_backward, graphs_refusal, recomputing
+from slimtune.memory.checkpointing import (
+    _enable,
+    enable_checkpointing,
+    graphed_backward,
+    graphs_refusal,
+    keeping_for_recompute,
+    recomputing,
+)
 from slimtune.memory.layer_graphs import LayerGraphs
 from slimtune.tiny import FAMILIES, build_model
 
@@ -137,19 +145,19 @@ class _nothing:
         return False
 
 
-def _batches(docs: list[int], seed: int = 0, varlen: bool = True) -> list[dict]:
-    """Batches of two 256-token rows: `docs` examples of 100-200 tokens each (2-4 in the two rows, 16 boundaries)
-    or, for a 0, forty of 8-12 tokens (64 boundaries: another input key under varlen attention)."""
+def _batches(docs: list[int], seed: int = 0, varlen: bool = True, length: int = 256) -> list[dict]:
+    """Batches of two `length`-token rows: `docs` examples of 100-200 tokens each per 256 (2-4 in the two rows, 16
+    boundaries) or, for a 0, forty of 8-12 tokens (64 boundaries: another input key under varlen attention)."""
     rng = random.Random(seed)
-    collate = RowCollator("packed", 0, flash_varlen=varlen, packed_length=256)
+    collate = RowCollator("packed", 0, flash_varlen=varlen, packed_length=length)
     out = []
     for n in docs:
-        lengths = [rng.randint(100, 200) for _ in range(n)] if n else [rng.randint(8, 12) for _ in range(40)]
+        lengths = [rng.randint(100, 200) * length // 256 for _ in range(n)] if n else [rng.randint(8, 12)] * 40
         examples = [
             Example([rng.randrange(_VOCAB) for _ in range(k)], [rng.randrange(_VOCAB) for _ in range(k)])
             for k in lengths
         ]
-        rows = pack(examples, 256)
+        rows = pack(examples, length)
         assert len(rows) >= 2
         batch = collate(rows[:2])
         assert not varlen or len(batch["cu_seq_lens_q"]) == (16 if n else 64)
@@ -159,28 +167,46 @@ def _batches(docs: list[int], seed: int = 0, varlen: bool = True) -> list[dict]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
-def test_graphed_backward_trains_as_the_eager_backward_does(family: str) -> None:
+def test_graphed_backward_trains_as_the_eager_backward_does(family: str, monkeypatch) -> None:
     from slimtune.kernels import apply_kernels
     from slimtune.train.attention import prefer_varlen
 
     torch.manual_seed(0)
     layers = 3
     runs = []
+    targets: list[bool] = []  # did the offloader bring a layer input back into a graph's buffer?
+    reload_target = LayerGraphs.reload_target
+
+    def spy(self, *args):
+        target = reload_target(self, *args)
+        targets.append(target is not None)
+        return target
+
+    monkeypatch.setattr(LayerGraphs, "reload_target", spy)
     for graphs_on in (False, True):
         model = _lora(device="cuda", quantize=True, family=family, num_hidden_layers=layers)
-        patch = apply_kernels(model, "auto", recomputing=recomputing)
+        patch = apply_kernels(model, "auto", recomputing=recomputing, keeping=keeping_for_recompute)
         assert "lora_nf4" in patch.applied
         # five batches of one key (16 boundaries), then one of another (64 boundaries under varlen attention; under
         # a block mask, the same shapes: replayed too)
         varlen = prefer_varlen(model, torch.device("cuda"))
         batches = _batches([6, 8, 7, 6, 8, 0], varlen=varlen)
         grads: list = []
-        with enable_checkpointing(model, "unsloth"):
+        kept: list[bool] = []  # in each first pass: does lora_nf4 keep the adapters' casts for the recompute?
+        mlp = model.get_base_model().model.layers[0].mlp
+        hook = mlp.register_forward_pre_hook(functools.partial(_record_keeping, kept))
+        with _enable(model, "unsloth", offload_min_bytes=0):  # every layer's input but the last's goes to the host
             graphs = _train(model, batches, grads, graphs_on)
+        hook.remove()
         runs.append(grads)
+        # eager, the recompute takes them; graphed, nothing is kept for a replay that would never read it
+        assert kept == [not graphs_on] * len(batches)
     assert graphs is not None and graphs.reason is None
     # step 0 eager, step 1 captures each layer and replays, steps 2-4 replay, step 5 eager where it is a new key
     assert graphs.captured == layers and graphs.replays == (4 if varlen else 5) * layers
+    # under graphs every layer's input went to the host, the last's too, and came back into a graph's buffer: in
+    # the eager steps too
+    assert targets == [True] * len(batches) * layers
     for step, ((loss_e, eager), (loss_g, graphed)) in enumerate(zip(*runs, strict=True)):
         assert loss_g == pytest.approx(loss_e, rel=1e-3), step
         for name, g in graphed.items():
@@ -188,6 +214,50 @@ def test_graphed_backward_trains_as_the_eager_backward_does(family: str) -> None
             assert ref.abs().sum() > 0, name
             # the same kernels on the same values; flash attention's backward adds in a varying order
             assert float((g - ref).norm() / ref.norm()) < 1e-2, (step, name)
+
+
+@pytest.mark.gpu
+def test_a_larger_batch_shape_grows_the_buffers_and_captures_again(monkeypatch) -> None:
+    """Rows of 128 tokens, then of 256: the graphs captured for the smaller shape are dropped when the buffers
+    grow, those of the larger are captured, three buffers of the larger shape remain, and the gradients stay the
+    eager backward's."""
+    from slimtune.kernels import apply_kernels
+    from slimtune.train.attention import prefer_varlen
+
+    torch.manual_seed(0)
+    layers = 2
+    batches = _batches([3, 4, 3], length=128) + _batches([6, 8, 7])
+    runs = []
+    flats: list[list[int]] = []  # the buffers' sizes when the graphs are released
+    release = LayerGraphs.release
+
+    def spy(self):
+        flats.append(sorted(flat.numel() for flat in self._flat.values()))
+        release(self)
+
+    monkeypatch.setattr(LayerGraphs, "release", spy)
+    for graphs_on in (False, True):
+        model = _lora(device="cuda", quantize=True, num_hidden_layers=layers)
+        apply_kernels(model, "auto", recomputing=recomputing, keeping=keeping_for_recompute)
+        prefer_varlen(model, torch.device("cuda"))
+        grads: list = []
+        with _enable(model, "unsloth", offload_min_bytes=0):
+            graphs = _train(model, batches, grads, graphs_on)
+        runs.append(grads)
+    assert graphs is not None and graphs.reason is None
+    # each shape: seen, captured, replayed (the last step); the 256 shape captured on grown buffers
+    assert graphs.captured == 2 * layers and graphs.replays == 2 * 2 * layers
+    hidden = model.get_base_model().config.hidden_size
+    assert flats == [[2 * 256 * hidden] * 3]
+    for step, ((loss_e, eager), (loss_g, graphed)) in enumerate(zip(*runs, strict=True)):
+        assert loss_g == pytest.approx(loss_e, rel=1e-3), step
+        for name, g in graphed.items():
+            assert float((g - eager[name]).norm() / eager[name].norm()) < 1e-2, (step, name)
+
+
+def _record_keeping(kept: list[bool], *_: object) -> None:
+    if not recomputing():
+        kept.append(keeping_for_recompute())
 
 
 def _syncing(forward):
@@ -208,7 +278,7 @@ def test_a_capture_the_graph_refuses_turns_graphs_off_and_the_step_stays_right()
     runs = []
     for syncing in (False, True):
         model = _lora(device="cuda", quantize=True, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
-        apply_kernels(model, "auto", recomputing=recomputing)
+        apply_kernels(model, "auto", recomputing=recomputing, keeping=keeping_for_recompute)
         prefer_varlen(model, torch.device("cuda"))
         if syncing:  # a host sync in the layer's forward, as code outside slimtune might have: capture refuses it
             mlp = model.get_base_model().model.layers[1].mlp
@@ -256,7 +326,7 @@ def test_out_of_memory_in_a_capture_reaches_the_caller_and_the_next_run_captures
     torch.manual_seed(0)
     batches = _batches([6, 7, 8])
     model = _lora(device="cuda", quantize=True, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
-    apply_kernels(model, "auto", recomputing=recomputing)
+    apply_kernels(model, "auto", recomputing=recomputing, keeping=keeping_for_recompute)
     mlp = model.get_base_model().model.layers[1].mlp
     forward = mlp.forward
 

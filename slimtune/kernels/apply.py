@@ -133,13 +133,16 @@ def apply_kernels(
     exclude: dict[str, str] | None = None,
     *,
     recomputing: Callable[[], bool] = _never,
+    keeping: Callable[[], bool] = _never,
 ) -> KernelPatch:
     """Swap Triton kernels into `model` (a transformers causal LM, optionally wrapped by peft).
 
     `exclude` maps kernel names the caller cannot use to the reason, reported in `skipped`.
     `recomputing` says, at call time, whether gradient checkpointing is re-running a layer in backward
     (`slimtune.memory.checkpointing.recomputing` for "unsloth"): lora_nf4 then skips the output nobody reads.
-    Passed in rather than imported, so the kernels do not depend on the checkpointing code.
+    `keeping` says whether the first pass of such a layer runs, whose recompute takes what it keeps
+    (`slimtune.memory.checkpointing.keeping_for_recompute`): lora_nf4 then keeps its adapters' casts for it.
+    Both are passed in rather than imported, so the kernels do not depend on the checkpointing code.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
@@ -161,7 +164,7 @@ def apply_kernels(
             continue
         patcher = _PATCHERS[name]
         if name == "lora_nf4":  # the one kernel that reads the checkpointing state
-            patcher = functools.partial(_patch_lora_nf4, recomputing=recomputing)
+            patcher = functools.partial(_patch_lora_nf4, recomputing=recomputing, keeping=keeping)
         result = patcher(base, family, patch)
         if isinstance(result, str):
             patch.skipped[name] = result
@@ -400,7 +403,11 @@ def _patch_fused_ce(base: torch.nn.Module, family: str, patch: KernelPatch) -> i
 
 
 def _patch_lora_nf4(
-    base: torch.nn.Module, family: str, patch: KernelPatch, recomputing: Callable[[], bool] = _never
+    base: torch.nn.Module,
+    family: str,
+    patch: KernelPatch,
+    recomputing: Callable[[], bool] = _never,
+    keeping: Callable[[], bool] = _never,
 ) -> int | str:
     try:
         from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
@@ -431,8 +438,7 @@ def _patch_lora_nf4(
         dtype = getattr(layer, "compute_dtype", None) or x.dtype
         lora_a, lora_b = mod.lora_A[name].weight, mod.lora_B[name].weight
         again = recomputing()
-        # the first pass of an "unsloth" checkpointed layer (training, no grad) keeps its casts for the recompute
-        keep = not again and mod.training and not torch.is_grad_enabled()
+        keep = keeping()  # the first pass of an "unsloth" checkpointed layer keeps its casts for the recompute
         # a recompute captured in a CUDA graph casts for itself: a replay would read this step's casts next step
         captured = again and x.is_cuda and torch.cuda.is_current_stream_capturing()
         state = None if captured else casts_ref()

@@ -47,6 +47,17 @@ def recomputing() -> bool:
     return getattr(_RECOMPUTE, "active", False)
 
 
+def keeping_for_recompute() -> bool:
+    """True while the first pass of an "unsloth"-checkpointed decoder layer runs and its backward recomputes
+    eagerly: what a kernel keeps then for the recompute (see `kernels.apply`, the adapters' casts) is taken there.
+
+    False under CUDA graphs of the backward: a replay reads what its capture made, so a kept tensor would live
+    unread through the whole backward (the 8B model's casts: 77 MiB at the peak, benchmarks/peak_breakdown.py).
+    A layer whose backward still runs eagerly then (a new input shape) makes them again.
+    """
+    return getattr(_RECOMPUTE, "keeping", False)
+
+
 class CheckpointingHandle(AbstractContextManager["CheckpointingHandle"]):
     """The result of `enable_checkpointing`: what is active, what it did, and how to take it off.
 
@@ -174,7 +185,10 @@ def _patch_layer(
         _check_frozen_extras(rest, kwargs, type(layer).__name__)
         params = forward.listed if forward.listed is not None else _trainable(layer)  # type: ignore[attr-defined]
         call = (layer, inner, rest, kwargs)
-        return _RecomputedLayer.apply(call, offloader, forward.graphs, idx, not is_last, hidden, *params)  # type: ignore[attr-defined]
+        # The last layer's input is kept for its backward, which follows at once; under graphs it goes to the host
+        # too, and comes back into the graph's buffer (`LayerGraphs.reload_target`) instead of staying beside it
+        offload = not is_last or forward.graphs is not None  # type: ignore[attr-defined]
+        return _RecomputedLayer.apply(call, offloader, forward.graphs, idx, offload, hidden, *params)  # type: ignore[attr-defined]
 
     forward._slimtune_checkpointing = True  # type: ignore[attr-defined]
     forward.mode = mode  # type: ignore[attr-defined]
@@ -338,7 +352,11 @@ class _RecomputedLayer(torch.autograd.Function):
             ctx.hidden = hidden
         ctx.save_for_backward(*params)
         _, inner, rest, kwargs = call
-        out = inner(hidden, *rest, **kwargs)
+        _RECOMPUTE.keeping = graphs is None or not graphs.enabled
+        try:
+            out = inner(hidden, *rest, **kwargs)
+        finally:
+            _RECOMPUTE.keeping = False
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f'gradient_checkpointing "unsloth" expects decoder layers to return a tensor, '
@@ -350,7 +368,7 @@ class _RecomputedLayer(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         params = ctx.saved_tensors
         if ctx.offloader is not None:
-            saved = ctx.offloader.load(ctx.slot)
+            saved = ctx.offloader.load(ctx.slot, ctx.graphs.reload_target if ctx.graphs is not None else None)
         else:
             saved, ctx.hidden = ctx.hidden, None
         wants_hidden = ctx.needs_input_grad[5]
@@ -381,4 +399,6 @@ class _RecomputedLayer(torch.autograd.Function):
         inputs = ([hidden] if hidden.requires_grad else []) + list(params)
         grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
         hidden_grad = grads.pop(0) if hidden.requires_grad else None
+        if hidden_grad is not None and ctx.graphs is not None:
+            hidden_grad = ctx.graphs.settle_grad(hidden_grad)
         return (None, None, None, None, None, hidden_grad, *grads)

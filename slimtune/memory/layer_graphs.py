@@ -20,17 +20,25 @@ What keeps a replay right:
 - Whatever a capture refuses (a host sync, a copy from pageable memory) turns graphs off for the run with the
   reason logged, and that backward runs eagerly. The result never depends on whether a graph ran.
 
-Memory: per hidden-state shape, three buffers of that shape (the input, and two gradient buffers that
-consecutive layers alternate between, so a layer's input gradient is the next graph's input without a copy);
-one set of LoRA-gradient buffers for all layers of the same adapter shapes; and one private pool for what the
-layers' backward allocates inside the graphs, shared by all graphs (they never run concurrently).
+Memory: three buffers of the hidden state's shape, which stand in for what the eager backward allocates, so
+that they cost memory only outside the backward:
+- two for the layers' inputs (even and odd layers), which the offloader brings the inputs back into
+  (`reload_target`): one layer's input arrives while the layer before it in the backward reads the other;
+- one for the gradient, which each graph reads the output gradient from and, as its last kernel, overwrites
+  with the input gradient: the next layer's graph reads it in place. An eager layer's input gradient is moved
+  there too (`settle_grad`), so a layer's output gradient never takes memory of its own.
+Each is a view of one flat buffer grown to the largest shape seen, so batches of many shapes (padded rows) cost
+three of the largest, not three per shape; growing drops the graphs that read the smaller one. Besides: one set
+of LoRA-gradient buffers for all layers of the same adapter shapes, and one private pool for what the layers'
+backward allocates inside the graphs, shared by all graphs (they never run concurrently). Measured where the
+memory peaks: benchmarks/peak_breakdown.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -103,13 +111,14 @@ def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
 
 
 class _Inputs:
-    """The static buffers of one key, shared by every layer's graph of that key: the hidden state and the two
-    gradient buffers (shared with every key of the same hidden shape), and the layer's other tensor arguments."""
+    """The static buffers of one key, shared by every layer's graph of that key: the two input buffers (even,
+    odd layer) and the gradient buffer (shared with every key of the same shapes), and the layer's other tensor
+    arguments."""
 
     def __init__(
-        self, hidden: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor], tensors: list[torch.Tensor]
+        self, hidden: tuple[torch.Tensor, torch.Tensor], grad: torch.Tensor, tensors: list[torch.Tensor]
     ) -> None:
-        self.hidden, self.grads = hidden, grads
+        self.hidden, self.grad = hidden, grad
         unique: dict[int, int] = {}
         self.slots = [unique.setdefault(id(t), len(unique)) for t in tensors]  # one buffer per distinct tensor
         firsts = {slot: t for slot, t in zip(self.slots, tensors, strict=True)}
@@ -150,7 +159,9 @@ class LayerGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device)
         self._inputs: dict[tuple, _Inputs] = {}
-        self._states: dict[tuple, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # (role, dtype) -> flat buffer; role 0, 1: the even, odd layers' input, 2: the gradient
+        self._flat: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}  # (role, shape, dtype) -> one view each, so `is` finds it
         self._graphs: dict[tuple, _Captured] = {}
         self._seen: set[tuple] = set()
         # Where the graphs write parameter gradients, per list of parameter shapes: shared by layers of equal shapes.
@@ -197,7 +208,8 @@ class LayerGraphs:
                 self._seen.add((idx, key))
                 return None  # eager first: compiles kernels and grows scratch buffers outside a capture
             if inputs is None:
-                inputs = self._inputs[key] = _Inputs(*self._state(hidden, grad_out), tensors)
+                pair = (self._buffer(0, hidden.shape, hidden.dtype), self._buffer(1, hidden.shape, hidden.dtype))
+                inputs = self._inputs[key] = _Inputs(pair, self._buffer(2, grad_out.shape, grad_out.dtype), tensors)
             inputs.load(tensors)
             entry = self._capture(layer, idx, inputs, call, rest, kwargs, params, hidden_grad)
             if entry is None:
@@ -205,21 +217,55 @@ class LayerGraphs:
             self._graphs[(idx, key)] = entry
             self.captured += 1
         inputs.load(tensors)
-        inputs.hidden.copy_(hidden)
-        grad_in = inputs.grads[idx % 2]
-        if grad_out is not grad_in:  # else it is the previous layer's graph output, already in place
-            grad_in.copy_(grad_out)
+        if hidden is not inputs.hidden[idx % 2]:  # else the offloader brought it back there
+            inputs.hidden[idx % 2].copy_(hidden)
+        if grad_out is not inputs.grad:  # else it is the previous layer's graph output, already in place
+            inputs.grad.copy_(grad_out)
         entry.graph.replay()
         self.replays += 1
         return entry.hidden_grad, entry.param_grads
 
-    def _state(self, hidden: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The hidden-state buffer and the two gradient buffers for inputs of these shapes."""
-        shapes = (hidden.shape, hidden.dtype, grad_out.shape, grad_out.dtype)
-        if shapes not in self._states:
-            like = functools.partial(torch.empty_like, memory_format=torch.contiguous_format)
-            self._states[shapes] = (like(hidden), (like(grad_out), like(grad_out)))
-        return self._states[shapes]
+    def reload_target(self, idx: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where the offloader brings layer `idx`'s input back: the buffer its graph reads (None once graphs are off).
+
+        Safe to write when the offloader does, one layer ahead: the buffer of that parity was last read by the
+        layer two after it, whose backward the main stream has queued, and the offloader's copy waits for that.
+        """
+        return self._buffer(idx % 2, shape, dtype) if self.enabled else None
+
+    def settle_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """An eagerly computed input gradient, moved into the gradient buffer: the next layer's graph reads it there,
+        and the memory of the one computed is freed now, not a layer later."""
+        if not self.enabled or not grad.is_contiguous():
+            return grad
+        buffer = self._buffer(2, grad.shape, grad.dtype)
+        if buffer is not grad:
+            buffer.copy_(grad)  # after every read of the output gradient it may hold: queued on the same stream
+        return buffer
+
+    def _buffer(self, role: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Buffer `role` (0, 1: the even, odd layers' input; 2: the gradient) in `shape`."""
+        view = self._views.get((role, tuple(shape), dtype))
+        if view is not None:
+            return view
+        numel = math.prod(shape)
+        flat = self._flat.get((role, dtype))
+        if flat is None or flat.numel() < numel:
+            if flat is not None:  # the graphs read the smaller one: the next backward of their key captures again
+                self._drop_graphs()
+                self._views = {k: v for k, v in self._views.items() if (k[0], k[2]) != (role, dtype)}
+                del self._flat[(role, dtype)], flat  # freed before the larger one is allocated
+            flat = self._flat[(role, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
+        view = self._views[(role, tuple(shape), dtype)] = flat[:numel].view(shape)
+        return view
+
+    def _drop_graphs(self) -> None:
+        """Reset every graph; a new pool for the graphs captured from now on (the old one goes with its graphs)."""
+        for entry in self._graphs.values():
+            entry.graph.reset()  # now, not when the last reference goes (a traceback may hold one)
+        self._graphs.clear()
+        self._inputs.clear()
+        self._pool = torch.cuda.graph_pool_handle()
 
     def _capture(
         self,
@@ -258,14 +304,16 @@ class LayerGraphs:
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 began = True
                 try:
-                    hidden = inputs.hidden.detach().requires_grad_(hidden_grad)
+                    hidden = inputs.hidden[idx % 2].detach().requires_grad_(hidden_grad)
                     out = call(hidden, static_rest, static_kwargs)
                     wrt = ([hidden] if hidden_grad else []) + aliases
-                    made = list(torch.autograd.grad(out, wrt, inputs.grads[idx % 2], allow_unused=True))
+                    made = list(torch.autograd.grad(out, wrt, inputs.grad, allow_unused=True))
                     del out
                     written = None
                     if hidden_grad:
-                        written = inputs.grads[(idx + 1) % 2]
+                        # Overwrites the output gradient it was computed from: every kernel that reads that is
+                        # queued before this copy on the one capturing stream
+                        written = inputs.grad
                         written.copy_(made.pop(0))
                     used = [m is not None for m in made]
                     pairs = [(g, m) for g, m in zip(grads, made, strict=True) if m is not None]
@@ -323,10 +371,8 @@ class LayerGraphs:
     def release(self) -> None:
         """Drop every graph and buffer; the pool's memory goes back with the last graph reset."""
         self.enabled = False
-        for entry in self._graphs.values():
-            entry.graph.reset()  # now, not when the last reference goes (a traceback may hold one)
-        self._graphs.clear()
-        self._inputs.clear()
-        self._states.clear()
+        self._drop_graphs()
+        self._views.clear()
+        self._flat.clear()
         self._grads.clear()
         self._seen.clear()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,9 @@ log = logging.getLogger(__name__)
 # Below 1 MiB a copy costs more in launch and event overhead (~10 us) than the memory it frees is worth;
 # tiny test models (batch 2 x seq 32 x 256 x fp32 = 64 KiB) therefore never offload unless told to.
 MIN_OFFLOAD_BYTES = 1 << 20
+
+# (layer index, shape, dtype) -> a buffer to bring that layer's input back into, or None for a new one
+Target = Callable[[int, torch.Size, torch.dtype], torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -132,14 +136,17 @@ class ActivationOffloader:
         self._step_bytes[idx] = nbytes
         return slot
 
-    def load(self, slot: _Slot) -> torch.Tensor:
-        """Return the saved tensor for backward, and start fetching the previous layer's input."""
+    def load(self, slot: _Slot, into: Target | None = None) -> torch.Tensor:
+        """Return the saved tensor for backward, and start fetching the previous layer's input.
+
+        `into(idx, shape, dtype)` names a buffer to bring layer idx's input back into, or None for a new one.
+        """
         if slot.kept is None and slot.gpu is None:
-            self._fetch(slot)
+            self._fetch(slot, into)
         prev = slot.prev() if slot.prev is not None else None
         if prev is not None and prev.host is not None:
             # Double buffering: layer idx-1's input crosses the bus while layer idx recomputes.
-            self._fetch(prev)
+            self._fetch(prev, into)
         if slot.kept is not None:
             out, slot.kept = slot.kept, None
             return out
@@ -149,11 +156,13 @@ class ActivationOffloader:
         assert out is not None
         return out
 
-    def _fetch(self, slot: _Slot) -> None:
+    def _fetch(self, slot: _Slot, into: Target | None) -> None:
         assert slot.host is not None
-        # Allocated on the main stream, written by the side stream after it has caught up with the main
+        # Allocated on the main stream (or given), written by the side stream after it has caught up with the main
         # stream, so no kernel still queued on the main stream can be using this memory.
-        dst = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)
+        dst = into(slot.idx, slot.shape, slot.dtype) if into is not None else None
+        if dst is None:
+            dst = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)
         flat = dst.view(-1).view(torch.uint8)
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(slot.device))

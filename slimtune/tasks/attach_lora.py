@@ -10,7 +10,7 @@ import torch
 from slimtune import registry
 from slimtune.families import lora_target_modules
 from slimtune.kernels import apply_kernels
-from slimtune.memory.checkpointing import enable_checkpointing, recomputing
+from slimtune.memory.checkpointing import enable_checkpointing, keeping_for_recompute, recomputing
 from slimtune.spec import PipelineSpec, TrainSpec
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
         spec.train.kernels,  # logs what it applied and skipped, and why
         exclude=excluded_kernels(spec.train) or None,
         recomputing=recomputing,  # "unsloth" checkpointing's recompute: lora_nf4 skips the unread output
+        keeping=keeping_for_recompute,  # and its first pass, which keeps the adapters' casts for that recompute
     )
     registry.replace(handle, peft_model)
     # The checkpointing handle holds pinned host buffers, the kernel patch the patched modules (and a
