@@ -152,7 +152,10 @@ def _batches(docs: list[int], seed: int = 0, varlen: bool = True, length: int = 
     collate = RowCollator("packed", 0, flash_varlen=varlen, packed_length=length)
     out = []
     for n in docs:
-        lengths = [rng.randint(100, 200) * length // 256 for _ in range(n)] if n else [rng.randint(8, 12)] * 40
+        if n:
+            lengths = [rng.randint(100, 200) * length // 256 for _ in range(n)]
+        else:
+            lengths = [rng.randint(8, 12) for _ in range(40)]
         examples = [
             Example([rng.randrange(_VOCAB) for _ in range(k)], [rng.randrange(_VOCAB) for _ in range(k)])
             for k in lengths
@@ -195,7 +198,7 @@ def test_graphed_backward_trains_as_the_eager_backward_does(family: str, monkeyp
         kept: list[bool] = []  # in each first pass: does lora_nf4 keep the adapters' casts for the recompute?
         mlp = model.get_base_model().model.layers[0].mlp
         hook = mlp.register_forward_pre_hook(functools.partial(_record_keeping, kept))
-        with _enable(model, "unsloth", offload_min_bytes=0):  # every layer's input but the last's goes to the host
+        with _enable(model, "unsloth", offload_min_bytes=0):  # every layer's input to the host (the last's: graphed)
             graphs = _train(model, batches, grads, graphs_on)
         hook.remove()
         runs.append(grads)
