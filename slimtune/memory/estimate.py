@@ -347,9 +347,10 @@ def estimate_train(
     the RoPE kernel a layer then keeps one more q, k and v.
 
     `cuda_graphs`: `train.cuda_graphs` will capture each layer's backward (`slimtune.memory.layer_graphs`, with
-    "unsloth" checkpointing): its static buffers (three layer inputs, one set of LoRA gradients) and its private
-    pool, which holds most of one recomputed layer apart from the allocator's other blocks. Calibrated on an H100
-    (`benchmarks/results/memory/h100-2026-11-24-graphs.json`, tests/test_memory_calibration.py).
+    "unsloth" checkpointing): its static buffers (three hidden states: two layer inputs and a gradient; one set of
+    LoRA gradients) and its private pool, which holds most of one recomputed layer apart from the allocator's other
+    blocks. Calibrated on an H100 (`benchmarks/results/memory/h100-2026-11-24b-graphs.json`,
+    tests/test_memory_calibration.py).
 
     `shard_ranks` > 1 is FSDP-QLoRA: each rank keeps 1/shard_ranks of the weights, LoRA weights, grads
     and optimizer state, and gathers whole layers while it computes them (the one it computes and the
