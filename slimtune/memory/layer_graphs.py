@@ -5,14 +5,16 @@ Why: at 1B, and at batch 1, a training step is bound by the host, not the GPU. O
 kept the GPU busy 0.046 s of ~0.2 s, and a layer's recompute plus backward took 10 ms of host time against 2 ms
 for its forward without grad (benchmarks/results/profiles/host-costs-1b-seq2048-h100-2026-11-23e.json). That
 backward is the same ops on tensors of the same shapes at every step, so it is captured once per layer and
-input shape, and replayed with its inputs copied into static buffers.
+input shape, and replayed with its inputs in static buffers.
 
 What keeps a replay right:
-- A graph reads the storage it was captured with. The layer's inputs are copied into static buffers kept per
-  input key (shapes, dtypes, non-tensor arguments); parameters and NF4 weights keep their storage; the kernels'
-  scratch buffers are referenced by each graph that used them, so a release cannot free them under it. The
-  LoRA kernel casts its adapters inside a capture (`torch.cuda.is_current_stream_capturing`) instead of taking
-  the casts its forward made, which are new tensors every step.
+- A graph reads the storage it was captured with. The hidden state and its gradient are in the buffers below
+  (the offloader brings the input back there; else it is copied in); the layer's other tensor arguments are
+  copied into buffers kept per input key (shapes, dtypes, non-tensor arguments); parameters and NF4 weights
+  keep their storage; the kernels' scratch buffers are referenced by each graph that used them, so a release
+  cannot free them under it. The LoRA kernel casts its adapters inside a capture
+  (`torch.cuda.is_current_stream_capturing`) instead of taking the casts its forward made, which are new
+  tensors every step.
 - The first backward of a layer at a key runs eagerly: Triton compiles and the scratch buffers grow outside any
   capture. The second captures, then replays.
 - Only for layers without randomness: `graphs_refusal` says why a model cannot use them (dropout), and the
