@@ -238,7 +238,7 @@ class LayerGraphs:
     def settle_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """An eagerly computed input gradient, moved into the gradient buffer: the next layer's graph reads it there,
         and the memory of the one computed is freed now, not a layer later."""
-        if not self.enabled or not grad.is_contiguous():
+        if not self.enabled:
             return grad
         buffer = self._buffer(2, grad.shape, grad.dtype)
         if buffer is not grad:
