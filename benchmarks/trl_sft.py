@@ -117,6 +117,8 @@ def step_report(
         "tokens": used,
         "padding_waste": 1 - used / max(sum(slots[:steps]), 1),
         "tokens_per_s": used / train_s,
+        "resumed_from": None,  # a TRL run here always trains from the start
+        "cuda_graphs": None,  # slimtune's graphs of the layers' backward: not in a TRL run
     }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -66,6 +67,19 @@ def test_step_report_rates_per_step_and_falls_back_to_trl_counts() -> None:
     # No per-step clock: losses stay, rates are unknown rather than invented.
     untimed = step_report(history, [], [100, 200, 300], [100, 200, 300], 3, train_s=4.0)
     assert [e["tokens_per_s"] for e in untimed["losses"]] == [None, None, None]
+
+
+def test_a_trl_report_gives_its_steady_rate_through_the_products_definition() -> None:
+    """user_compare reads a TRL worker's report with product.py's report_stats, which reads train-report fields: a
+    field that only the product's report has broke every TRL row on the GPU."""
+    history = [{"loss": 7.0 - step / 2, "step": step} for step in (1, 2, 3)]
+    report = step_report(history, [1.0, 2.0, 0.5], [100, 200, 300], [100, 200, 300], 3, train_s=4.0)
+    report["batching"] = "packed, DataCollatorWithFlattening"
+    row: dict = {}
+    user_compare._steady(row, SimpleNamespace(**report), warmup=1)
+    assert "steady_error" not in row
+    assert row["steady_tokens_per_s"] == 350.0  # the median of steps 2 and 3: 100 and 600 tokens/s
+    assert row["loss_first"] == 6.5 and row["loss_last"] == 5.5 and row["cuda_graphs"] is None
 
 
 def test_counting_collator_counts_real_tokens_and_passes_settings_through() -> None:
