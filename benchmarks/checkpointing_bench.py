@@ -36,7 +36,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from slimtune.memory.checkpointing import enable_checkpointing, keeping_for_recompute, recomputing
+from slimtune.memory.checkpointing import checkpoint_pass, enable_checkpointing
 
 GiB = 1024**3
 _SHAPES = {
@@ -157,7 +157,7 @@ def _run_config(
         if kernels is not None:
             from slimtune.kernels import apply_kernels
 
-            patch = apply_kernels(model, kernels, recomputing=recomputing, keeping=keeping_for_recompute)
+            patch = apply_kernels(model, kernels, checkpoint_pass=checkpoint_pass)
             if "fused_linear_ce" not in patch.applied:
                 raise RuntimeError(f"kernels {kernels}: fused_linear_ce not applied: {patch.skipped}")
             rec["kernels_applied"] = dict(patch.modules)

@@ -15,11 +15,10 @@ from slimtune.data import Example, RowCollator, pack
 from slimtune.families import lora_target_modules
 from slimtune.memory.checkpointing import (
     _enable,
+    checkpoint_pass,
     enable_checkpointing,
     graphed_backward,
     graphs_refusal,
-    keeping_for_recompute,
-    recomputing,
 )
 from slimtune.memory.layer_graphs import LayerGraphs
 from slimtune.tiny import FAMILIES, build_model
@@ -188,7 +187,7 @@ def test_graphed_backward_trains_as_the_eager_backward_does(family: str, monkeyp
     monkeypatch.setattr(LayerGraphs, "reload_target", spy)
     for graphs_on in (False, True):
         model = _lora(device="cuda", quantize=True, family=family, num_hidden_layers=layers)
-        patch = apply_kernels(model, "auto", recomputing=recomputing, keeping=keeping_for_recompute)
+        patch = apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
         assert "lora_nf4" in patch.applied
         # five batches of one key (16 boundaries), then one of another (64 boundaries under varlen attention; under
         # a block mask, the same shapes: replayed too)
@@ -241,7 +240,7 @@ def test_a_larger_batch_shape_grows_the_buffers_and_captures_again(monkeypatch) 
     monkeypatch.setattr(LayerGraphs, "release", spy)
     for graphs_on in (False, True):
         model = _lora(device="cuda", quantize=True, num_hidden_layers=layers)
-        apply_kernels(model, "auto", recomputing=recomputing, keeping=keeping_for_recompute)
+        apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
         prefer_varlen(model, torch.device("cuda"))
         grads: list = []
         with _enable(model, "unsloth", offload_min_bytes=0):
@@ -259,8 +258,9 @@ def test_a_larger_batch_shape_grows_the_buffers_and_captures_again(monkeypatch) 
 
 
 def _record_keeping(kept: list[bool], *_: object) -> None:
-    if not recomputing():
-        kept.append(keeping_for_recompute())
+    phase = checkpoint_pass()
+    if phase != "recompute":
+        kept.append(phase == "first")
 
 
 def _syncing(forward):
@@ -281,7 +281,7 @@ def test_a_capture_the_graph_refuses_turns_graphs_off_and_the_step_stays_right()
     runs = []
     for syncing in (False, True):
         model = _lora(device="cuda", quantize=True, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
-        apply_kernels(model, "auto", recomputing=recomputing, keeping=keeping_for_recompute)
+        apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
         prefer_varlen(model, torch.device("cuda"))
         if syncing:  # a host sync in the layer's forward, as code outside slimtune might have: capture refuses it
             mlp = model.get_base_model().model.layers[1].mlp
@@ -329,7 +329,7 @@ def test_out_of_memory_in_a_capture_reaches_the_caller_and_the_next_run_captures
     torch.manual_seed(0)
     batches = _batches([6, 7, 8])
     model = _lora(device="cuda", quantize=True, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
-    apply_kernels(model, "auto", recomputing=recomputing, keeping=keeping_for_recompute)
+    apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
     mlp = model.get_base_model().model.layers[1].mlp
     forward = mlp.forward
 

@@ -123,8 +123,8 @@ def _resolve(selection, device_type: str, family: str | None) -> tuple[list[str]
     return list(dict.fromkeys(selection)), ""
 
 
-def _never() -> bool:
-    return False
+def _no_pass() -> None:
+    """No checkpointing: no pass of a checkpointed layer is ever running."""
 
 
 def apply_kernels(
@@ -132,17 +132,15 @@ def apply_kernels(
     selection: str | list[str] = "auto",
     exclude: dict[str, str] | None = None,
     *,
-    recomputing: Callable[[], bool] = _never,
-    keeping: Callable[[], bool] = _never,
+    checkpoint_pass: Callable[[], str | None] = _no_pass,
 ) -> KernelPatch:
     """Swap Triton kernels into `model` (a transformers causal LM, optionally wrapped by peft).
 
     `exclude` maps kernel names the caller cannot use to the reason, reported in `skipped`.
-    `recomputing` says, at call time, whether gradient checkpointing is re-running a layer in backward
-    (`slimtune.memory.checkpointing.recomputing` for "unsloth"): lora_nf4 then skips the output nobody reads.
-    `keeping` says whether the first pass of such a layer runs, whose recompute takes what it keeps
-    (`slimtune.memory.checkpointing.keeping_for_recompute`): lora_nf4 then keeps its adapters' casts for it.
-    Both are passed in rather than imported, so the kernels do not depend on the checkpointing code.
+    `checkpoint_pass` says, at call time, which pass of an "unsloth"-checkpointed layer runs
+    (`slimtune.memory.checkpointing.checkpoint_pass`): in "recompute" lora_nf4 skips the output nobody reads, in
+    "first" it keeps its adapters' casts for that recompute. Passed in rather than imported, so the kernels do not
+    depend on the checkpointing code.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
@@ -164,7 +162,7 @@ def apply_kernels(
             continue
         patcher = _PATCHERS[name]
         if name == "lora_nf4":  # the one kernel that reads the checkpointing state
-            patcher = functools.partial(_patch_lora_nf4, recomputing=recomputing, keeping=keeping)
+            patcher = functools.partial(_patch_lora_nf4, checkpoint_pass=checkpoint_pass)
         result = patcher(base, family, patch)
         if isinstance(result, str):
             patch.skipped[name] = result
@@ -406,8 +404,7 @@ def _patch_lora_nf4(
     base: torch.nn.Module,
     family: str,
     patch: KernelPatch,
-    recomputing: Callable[[], bool] = _never,
-    keeping: Callable[[], bool] = _never,
+    checkpoint_pass: Callable[[], str | None] = _no_pass,
 ) -> int | str:
     try:
         from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
@@ -437,8 +434,9 @@ def _patch_lora_nf4(
         layer = mod.base_layer
         dtype = getattr(layer, "compute_dtype", None) or x.dtype
         lora_a, lora_b = mod.lora_A[name].weight, mod.lora_B[name].weight
-        again = recomputing()
-        keep = keeping()  # the first pass of an "unsloth" checkpointed layer keeps its casts for the recompute
+        phase = checkpoint_pass()
+        again = phase == "recompute"
+        keep = phase == "first"  # the first pass of an "unsloth" checkpointed layer keeps its casts for the recompute
         # a recompute captured in a CUDA graph casts for itself: a replay would read this step's casts next step
         captured = again and x.is_cuda and torch.cuda.is_current_stream_capturing()
         state = None if captured else casts_ref()

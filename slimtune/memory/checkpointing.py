@@ -34,28 +34,27 @@ from slimtune.memory.offload import ActivationOffloader, OffloadStats
 Mode = bool | Literal["unsloth"]
 _MISSING = object()
 _SUPPORTED = "Llama, Mistral, Qwen2, Qwen3, Gemma (decoder layers at `model.model.layers`)"
-_RECOMPUTE = threading.local()  # backward runs on autograd's thread: a flag per thread
+_PASS = threading.local()  # backward runs on autograd's thread: `checkpoint_pass`'s state, per thread
 log = logging.getLogger(__name__)
 
 
-def recomputing() -> bool:
-    """True while "unsloth" checkpointing re-runs a decoder layer in backward.
+CheckpointPass = Literal["first", "recompute"] | None
 
-    That re-run exists for the autograd graph it builds; the layer's output is thrown away. A kernel
-    may skip work that only produces that output (see `kernels.lora_linear`, `compute_output`).
+
+def checkpoint_pass() -> CheckpointPass:
+    """Which pass of an "unsloth"-checkpointed decoder layer runs now, for kernels that act on it
+    (`kernels.apply_kernels`'s `checkpoint_pass`):
+
+    - "recompute": the backward re-runs the layer for the autograd graph it builds, and throws its output away;
+      a kernel may skip work that only produces that output (`kernels.lora_linear`, `compute_output`).
+    - "first": the layer's first pass, whose backward recomputes eagerly: what a kernel keeps then for the
+      recompute (the adapters' casts) is taken there.
+    - None: anything else, including the first pass of a layer whose backward a CUDA graph replays: a replay
+      reads what its capture made, so a kept tensor would live unread through the whole backward (the 8B model's
+      casts: 77 MiB at the peak, benchmarks/peak_breakdown.py). A layer whose backward still runs eagerly then (a
+      new input shape) makes them again.
     """
-    return getattr(_RECOMPUTE, "active", False)
-
-
-def keeping_for_recompute() -> bool:
-    """True while the first pass of an "unsloth"-checkpointed decoder layer runs and its backward recomputes
-    eagerly: what a kernel keeps then for the recompute (see `kernels.apply`, the adapters' casts) is taken there.
-
-    False under CUDA graphs of the backward: a replay reads what its capture made, so a kept tensor would live
-    unread through the whole backward (the 8B model's casts: 77 MiB at the peak, benchmarks/peak_breakdown.py).
-    A layer whose backward still runs eagerly then (a new input shape) makes them again.
-    """
-    return getattr(_RECOMPUTE, "keeping", False)
+    return getattr(_PASS, "kind", None)
 
 
 class CheckpointingHandle(AbstractContextManager["CheckpointingHandle"]):
@@ -313,11 +312,11 @@ def _recompute(
     """Run the layer again with grad, under the forward's autocast state, flagged as a recompute."""
     device_type, enabled, dtype, cache = autocast
     with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache):
-        _RECOMPUTE.active = True
+        _PASS.kind = "recompute"
         try:
             return inner(hidden, *rest, **kwargs)
         finally:
-            _RECOMPUTE.active = False
+            _PASS.kind = None
 
 
 class _RecomputedLayer(torch.autograd.Function):
@@ -352,11 +351,11 @@ class _RecomputedLayer(torch.autograd.Function):
             ctx.hidden = hidden
         ctx.save_for_backward(*params)
         _, inner, rest, kwargs = call
-        _RECOMPUTE.keeping = graphs is None or not graphs.enabled
+        _PASS.kind = "first" if graphs is None or not graphs.enabled else None
         try:
             out = inner(hidden, *rest, **kwargs)
         finally:
-            _RECOMPUTE.keeping = False
+            _PASS.kind = None
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f'gradient_checkpointing "unsloth" expects decoder layers to return a tensor, '

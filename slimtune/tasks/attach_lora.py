@@ -10,7 +10,7 @@ import torch
 from slimtune import registry
 from slimtune.families import lora_target_modules
 from slimtune.kernels import apply_kernels
-from slimtune.memory.checkpointing import enable_checkpointing, keeping_for_recompute, recomputing
+from slimtune.memory.checkpointing import checkpoint_pass, enable_checkpointing
 from slimtune.spec import PipelineSpec, TrainSpec
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,9 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
         peft_model,
         spec.train.kernels,  # logs what it applied and skipped, and why
         exclude=excluded_kernels(spec.train) or None,
-        recomputing=recomputing,  # "unsloth" checkpointing's recompute: lora_nf4 skips the unread output
-        keeping=keeping_for_recompute,  # and its first pass, which keeps the adapters' casts for that recompute
+        # "unsloth" checkpointing's passes: lora_nf4 keeps its casts in the first for the recompute, which skips
+        # the output nobody reads
+        checkpoint_pass=checkpoint_pass,
     )
     registry.replace(handle, peft_model)
     # The checkpointing handle holds pinned host buffers, the kernel patch the patched modules (and a
