@@ -197,10 +197,15 @@ def test_graphed_backward_trains_as_the_eager_backward_does(family: str, monkeyp
         kept: list[bool] = []  # in each first pass: does lora_nf4 keep the adapters' casts for the recompute?
         mlp = model.get_base_model().model.layers[0].mlp
         hook = mlp.register_forward_pre_hook(functools.partial(_record_keeping, kept))
+        streams: set[torch.cuda.Stream] = set()  # where the layer ran: first pass, recompute, capture
+        spot = mlp.register_forward_pre_hook(functools.partial(_record_stream, streams))
         with _enable(model, "unsloth", offload_min_bytes=0):  # every layer's input to the host (the last's: graphed)
             graphs = _train(model, batches, grads, graphs_on)
         hook.remove()
+        spot.remove()
         runs.append(grads)
+        # graphed, the layers ran on the graphs' stream only, captures too: no second cuBLAS workspace
+        assert streams == {graphs.stream if graphs_on else torch.cuda.default_stream()}
         # eager, the recompute takes them; graphed, nothing is kept for a replay that would never read it
         assert kept == [not graphs_on] * len(batches)
     assert graphs is not None and graphs.reason is None
@@ -255,6 +260,10 @@ def test_a_larger_batch_shape_grows_the_buffers_and_captures_again(monkeypatch) 
         assert loss_g == pytest.approx(loss_e, rel=1e-3), step
         for name, g in graphed.items():
             assert float((g - eager[name]).norm() / eager[name].norm()) < 1e-2, (step, name)
+
+
+def _record_stream(streams: set[torch.cuda.Stream], *_: object) -> None:
+    streams.add(torch.cuda.current_stream())
 
 
 def _record_keeping(kept: list[bool], *_: object) -> None:
@@ -346,3 +355,28 @@ def test_out_of_memory_in_a_capture_reaches_the_caller_and_the_next_run_captures
         graphs = _train(model, batches, [], True)  # the retry: graphs of its own, captured as usual
     assert graphs is not None and graphs.reason is None and graphs.captured == 2
     torch.randn(4, device="cuda")  # the random generator left the failed capture's mode
+
+
+@pytest.mark.gpu
+def test_consecutive_graphed_runs_do_not_pile_up_memory() -> None:
+    """cuBLAS keeps a workspace per (thread, stream) that ran a matmul, and every block runs on a stream of its
+    own: the workspaces go as each block begins and ends, so a second run (a benchmark's next batch size, a retry)
+    peaks where the first did and leaves as much behind."""
+    from slimtune.kernels import apply_kernels
+
+    torch.manual_seed(0)
+    batches = _batches([6, 7, 8])
+    model = _lora(device="cuda", quantize=True, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
+    apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
+    peaks, after = [], []
+    with enable_checkpointing(model, "unsloth"):
+        for _ in range(3):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            graphs = _train(model, batches, [], True)
+            assert graphs is not None and graphs.reason is None and graphs.captured == 2
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+            after.append(torch.cuda.memory_allocated())
+    # the first run grows the kernels' scratch buffers, which stay; the runs after it start where it ended
+    assert peaks[2] <= peaks[1] <= peaks[0] and after[2] == after[1] <= after[0]

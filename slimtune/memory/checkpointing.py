@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from slimtune.memory.clean import drop_cublas_workspaces
 from slimtune.memory.layer_graphs import LayerGraphs
 from slimtune.memory.offload import ActivationOffloader, OffloadStats
 
@@ -183,7 +184,7 @@ def _patch_layer(
             return checkpoint(functools.partial(_call, inner, rest, kwargs), hidden, use_reentrant=False)
         _check_frozen_extras(rest, kwargs, type(layer).__name__)
         params = forward.listed if forward.listed is not None else _trainable(layer)  # type: ignore[attr-defined]
-        call = (layer, inner, rest, kwargs)
+        call = (inner, rest, kwargs)
         # The last layer's input is kept for its backward, which follows at once; under graphs it goes to the host
         # too, and comes back into the graph's buffer (`LayerGraphs.reload_target`) instead of staying beside it
         offload = not is_last or forward.graphs is not None  # type: ignore[attr-defined]
@@ -270,6 +271,11 @@ def graphed_backward(model: nn.Module) -> Iterator[LayerGraphs | None]:
     The graphs read the layers' parameters and the kernels' buffers where they were at capture: use it around one
     single-process `Trainer.train` call, within which no module or parameter is added, removed or frozen (the
     contract of `parameters_from_lists`). The graphs and their memory go when the block ends.
+
+    Everything in the block runs on the graphs' stream (`LayerGraphs.stream`), so that the captures use the
+    stream, and the cuBLAS workspaces, that the eager layers use: the block waits for the work queued before it,
+    and the work after it waits for the block's. The workspaces cuBLAS made for the other stream are freed as the
+    block begins, and those of the graphs' stream as it ends: each would sit unused beside the others.
     """
     reason = graphs_refusal(model)
     if reason is not None:
@@ -281,12 +287,18 @@ def graphed_backward(model: nn.Module) -> Iterator[LayerGraphs | None]:
     graphs = LayerGraphs(device)
     for forward, _ in patched:
         forward.graphs = graphs
+    outer = torch.cuda.current_stream(device)
+    graphs.stream.wait_stream(outer)
+    drop_cublas_workspaces()
     try:
-        yield graphs
+        with torch.cuda.stream(graphs.stream):
+            yield graphs
     finally:
+        outer.wait_stream(graphs.stream)
         for forward, _ in patched:
             forward.graphs = None
         graphs.release()
+        drop_cublas_workspaces()
 
 
 def _call(inner: Callable[..., Any], rest: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Tensor) -> Any:
@@ -325,7 +337,7 @@ class _RecomputedLayer(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
-        call: tuple[nn.Module, Callable[..., Any], tuple[Any, ...], dict[str, Any]],
+        call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]],
         offloader: ActivationOffloader | None,
         graphs: LayerGraphs | None,
         idx: int,
@@ -350,7 +362,7 @@ class _RecomputedLayer(torch.autograd.Function):
         else:
             ctx.hidden = hidden
         ctx.save_for_backward(*params)
-        _, inner, rest, kwargs = call
+        inner, rest, kwargs = call
         _PASS.kind = "first" if graphs is None or not graphs.enabled else None
         try:
             out = inner(hidden, *rest, **kwargs)
@@ -371,10 +383,9 @@ class _RecomputedLayer(torch.autograd.Function):
         else:
             saved, ctx.hidden = ctx.hidden, None
         wants_hidden = ctx.needs_input_grad[5]
-        layer, inner, rest, kwargs = ctx.call
+        inner, rest, kwargs = ctx.call
         if ctx.graphs is not None:
             done = ctx.graphs.backward(
-                layer,
                 ctx.idx,
                 functools.partial(_recompute, inner, ctx.autocast),
                 rest,

@@ -35,11 +35,16 @@ def clean_memory(passes: int = 3, *, release: Iterable[Callable[[], None]] = ())
             torch.cuda.ipc_collect()
     if not cuda:
         return 0
-    # cuBLAS keeps a per-handle workspace from the allocator (64 MiB measured on an H200) until told to
-    # drop it; without this, "back to baseline" after cleanup is off by exactly that much.
-    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear_workspaces is not None:
-        clear_workspaces()
-        torch.cuda.empty_cache()
+    # without this, "back to baseline" after cleanup is off by the workspaces
+    drop_cublas_workspaces()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return torch.cuda.memory_allocated()
+
+
+def drop_cublas_workspaces() -> None:
+    """Free the workspaces cuBLAS takes from the caching allocator, one per (thread, stream) that ran a matmul
+    (32 MiB each on an H100) and kept until told: the next matmul makes its own again."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_initialized():
+        clear()

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,22 +90,6 @@ def _rebuild(value: Any, statics: Any) -> Any:
     if type(value) is dict:
         return {name: _rebuild(item, statics) for name, item in value.items()}
     return value
-
-
-@contextlib.contextmanager
-def _swapped(
-    owners: dict[int, tuple[torch.nn.Module, str]], params: tuple[torch.Tensor, ...], aliases: list[torch.Tensor]
-) -> Iterator[None]:
-    """Within the block, each of `params` is replaced in its module by its alias."""
-    for p, alias in zip(params, aliases, strict=True):
-        module, name = owners[id(p)]
-        module._parameters[name] = alias
-    try:
-        yield
-    finally:
-        for p in params:
-            module, name = owners[id(p)]
-            module._parameters[name] = p
 
 
 def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
@@ -159,7 +143,10 @@ class LayerGraphs:
         self.captured = 0  # graphs captured, and replays run, in all (they stay after `release`)
         self.replays = 0
         self._pool = torch.cuda.graph_pool_handle()
-        self._stream = torch.cuda.Stream(device)
+        # The stream the layers run on, and the graphs are captured on: `graphed_backward` makes it the current one
+        # (a capture needs a stream other than the default one, and a second stream would cost a second cuBLAS
+        # workspace: 32 MiB on an H100)
+        self.stream = torch.cuda.Stream(device)
         self._inputs: dict[tuple, _Inputs] = {}
         # (role, dtype) -> flat buffer; role 0, 1: the even, odd layers' input, 2: the gradient
         self._flat: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -172,7 +159,6 @@ class LayerGraphs:
 
     def backward(
         self,
-        layer: torch.nn.Module,
         idx: int,
         call: LayerCall,
         rest: tuple[Any, ...],
@@ -213,7 +199,7 @@ class LayerGraphs:
                 pair = (self._buffer(0, hidden.shape, hidden.dtype), self._buffer(1, hidden.shape, hidden.dtype))
                 inputs = self._inputs[key] = _Inputs(pair, self._buffer(2, grad_out.shape, grad_out.dtype), tensors)
             inputs.load(tensors)
-            entry = self._capture(layer, idx, inputs, call, rest, kwargs, params, hidden_grad)
+            entry = self._capture(idx, inputs, call, rest, kwargs, params, hidden_grad)
             if entry is None:
                 return None
             self._graphs[(idx, key)] = entry
@@ -271,7 +257,6 @@ class LayerGraphs:
 
     def _capture(
         self,
-        layer: torch.nn.Module,
         idx: int,
         inputs: _Inputs,
         call: LayerCall,
@@ -280,9 +265,6 @@ class LayerGraphs:
         params: tuple[torch.Tensor, ...],
         hidden_grad: bool,
     ) -> _Captured | None:
-        owners = {id(p): (module, name) for module in layer.modules() for name, p in module._parameters.items()}
-        if not all(id(p) in owners for p in params):
-            return None  # a trainable parameter outside the layer's modules: no alias for it, stay eager
         shapes = tuple((p.shape, p.dtype) for p in params)
         grads = self._grads.get(shapes)
         if grads is None:
@@ -290,41 +272,37 @@ class LayerGraphs:
         statics = iter(inputs.statics())
         static_rest, static_kwargs = _rebuild(rest, statics), _rebuild(kwargs, statics)
         graph = torch.cuda.CUDAGraph()
-        current = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(current)
-        # The layer runs on aliases of its trainable parameters (same storage, new leaves): autograd sends a
-        # parameter's gradient to its accumulation node, which the step's forward made on the main stream, and a
-        # wait of that stream on the capturing one is an error that ends the capture.
-        aliases = [torch.nn.Parameter(p.detach(), requires_grad=True) for p in params]
         began = ended = False
         try:
-            with torch.cuda.stream(self._stream), _swapped(owners, params, aliases):
-                # cuBLAS gives each (thread, stream) a workspace at its first call and keeps it: made in a capture, it
-                # would sit in the graphs' pool, which could then never be freed (seen on an H100: 32 MiB)
-                eye = torch.eye(8, device=self.device, dtype=torch.bfloat16)
-                eye @ eye
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                began = True
-                try:
-                    hidden = inputs.hidden[idx % 2].detach().requires_grad_(hidden_grad)
-                    out = call(hidden, static_rest, static_kwargs)
-                    wrt = ([hidden] if hidden_grad else []) + aliases
-                    made = list(torch.autograd.grad(out, wrt, inputs.grad, allow_unused=True))
-                    del out
-                    written = None
-                    if hidden_grad:
-                        # Overwrites the output gradient it was computed from: every kernel that reads that is
-                        # queued before this copy on the one capturing stream
-                        written = inputs.grad
-                        written.copy_(made.pop(0))
-                    used = [m is not None for m in made]
-                    pairs = [(g, m) for g, m in zip(grads, made, strict=True) if m is not None]
-                    if pairs:
-                        torch._foreach_copy_([g for g, _ in pairs], [m for _, m in pairs])
-                    del made, pairs
-                finally:
-                    graph.capture_end()
-                    ended = True
+            if torch.cuda.current_stream(self.device) != self.stream:
+                raise RuntimeError("the layers run on a stream other than the graphs': run them in graphed_backward")
+            # cuBLAS gives each (thread, stream) a workspace at its first call and keeps it: made in a capture, it
+            # would sit in the graphs' pool, which could then never be freed. The eager backward before made it,
+            # unless a backward ran on another thread (reentrant): this makes sure.
+            eye = torch.eye(8, device=self.device, dtype=torch.bfloat16)
+            eye @ eye
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            began = True
+            try:
+                hidden = inputs.hidden[idx % 2].detach().requires_grad_(hidden_grad)
+                out = call(hidden, static_rest, static_kwargs)
+                wrt = ([hidden] if hidden_grad else []) + list(params)
+                made = list(torch.autograd.grad(out, wrt, inputs.grad, allow_unused=True))
+                del out
+                written = None
+                if hidden_grad:
+                    # Overwrites the output gradient it was computed from: every kernel that reads that is queued
+                    # before this copy on the one stream
+                    written = inputs.grad
+                    written.copy_(made.pop(0))
+                used = [m is not None for m in made]
+                pairs = [(g, m) for g, m in zip(grads, made, strict=True) if m is not None]
+                if pairs:
+                    torch._foreach_copy_([g for g, _ in pairs], [m for _, m in pairs])
+                del made, pairs
+            finally:
+                graph.capture_end()
+                ended = True
         except Exception as err:  # any refusal: the step goes on eagerly, and so does the run
             first = err
             while first.__context__ is not None:  # the first error: what ended the capture, not its aftermath
@@ -334,11 +312,9 @@ class LayerGraphs:
             self.reason = f"{type(first).__name__}: {text.splitlines()[0] if text else ''}"
             log.warning("CUDA graphs of the layers' backward are off for this run: a capture failed (%s)", self.reason)
             self._end_failed_capture(graph, began, ended)
-            current.wait_stream(self._stream)
             if isinstance(first, torch.OutOfMemoryError):
                 raise first from None  # the memory guard's to handle: its retry runs without graphs
             return None
-        current.wait_stream(self._stream)
         param_grads = [g if u else None for g, u in zip(grads, used, strict=True)]
         keep = list(scratch.BUFFERS.values())
         return _Captured(graph, tuple(params), written, param_grads, keep)
@@ -363,7 +339,7 @@ class LayerGraphs:
                 torch.cuda.memory._cuda_endAllocateToPool(index, self._pool)
             torch.cuda.memory._cuda_releasePool(index, self._pool)
         try:
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(self.stream):
                 empty = torch.cuda.CUDAGraph()
                 empty.capture_begin()
                 empty.capture_end()
