@@ -19,13 +19,15 @@ from slimtune.kernels.apply import expected_kernels
 from slimtune.memory.estimate import estimate_export, estimate_load_4bit, estimate_merge, estimate_train
 
 TABLE = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "memory" / "h100-2026-11-23.json"
-# The same grid for 1B and 8B with train.cuda_graphs on: its graphed rows hold the estimate's graph terms
-GRAPHS_TABLE = TABLE.with_name("h100-2026-11-24c-graphs.json")
+# The same grid for 1B and 8B with train.cuda_graphs on, in two calls: their graphed rows hold the estimate's graph
+# terms. The same cell's device-used moves between calls (8B 4 x 2048: 9.60 GiB in the first, 10.14 in the second,
+# its peak allocated 0.03 lower), so the estimate is held to each call.
+GRAPHS_TABLES = tuple(TABLE.with_name(f"h100-2026-11-24{c}-graphs.json") for c in "ce")
 BAND = (1.0, 1.15)
-# Graphed cells: never under, up to 1.19 x over. One pool term for 1B and 8B: at the factor that keeps the 8B
-# 4 x 8192 cell above its measurement (1.013 x), the 1B one measures 1.185 x (1.169 x before the cross-entropy's
-# chunk was halved: its device-used fell 0.12 GiB, its peak allocated did not move).
-GRAPHED_BAND = (1.0, 1.19)
+# Graphed cells: never under, up to 1.21 x over. One pool term for 1B and 8B: at the factor that keeps the 8B
+# 1 x 8192 cell of the second call above its measurement (1.002 x), the 1B 4 x 8192 one of the first measures
+# 1.204 x. The graphs' extra device memory is 0.9-1.3 of the recomputed layer at 8B, 0.5-1.0 at 1B.
+GRAPHED_BAND = (1.0, 1.21)
 _GIB = 1024**3
 
 
@@ -95,18 +97,23 @@ def test_train_gpu_estimate_holds_every_measured_cell(row):
     assert est.resident_gpu_bytes < est.gpu_bytes and est.context_gpu_bytes > 0
 
 
-def _graphed() -> list[dict]:
-    rows = json.loads(GRAPHS_TABLE.read_text())["rows"]
+def _graphed(table: Path) -> list[dict]:
+    rows = json.loads(table.read_text())["rows"]
     return [r for r in rows if r.get("stage") == "packed_sft" and r.get("outcome") == "completed" and r["cuda_graphs"]]
 
 
-def test_the_graphs_table_graphed_every_unsloth_cell_of_1b_and_8b():
-    graphed = _graphed()
+@pytest.mark.parametrize("table", GRAPHS_TABLES, ids=lambda t: t.stem)
+def test_each_graphs_table_graphed_every_unsloth_cell_of_1b_and_8b(table):
+    graphed = _graphed(table)
     assert {(r["model"], r["checkpointing"]) for r in graphed} == {("1b", "unsloth"), ("8b", "unsloth")}
     assert len(graphed) == 8 and all(r["cuda_graphs"].split()[0] != "0" for r in graphed)
 
 
-@pytest.mark.parametrize("row", _graphed(), ids=_id)
+@pytest.mark.parametrize(
+    "row",
+    [r for t in GRAPHS_TABLES for r in _graphed(t)],
+    ids=[f"{t.stem}-{_id(r)}" for t in GRAPHS_TABLES for r in _graphed(t)],
+)
 def test_train_gpu_estimate_with_cuda_graphs_holds_every_graphed_cell(row):
     est = _cell_estimate(row)
     ratio = est.gpu_bytes / row["peak_device_used"]
