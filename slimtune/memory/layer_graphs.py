@@ -15,8 +15,9 @@ What keeps a replay right:
   cannot free them under it. The LoRA kernel casts its adapters inside a capture
   (`torch.cuda.is_current_stream_capturing`) instead of taking the casts its forward made, which are new
   tensors every step.
-- The first backward of a layer at a key runs eagerly: Triton compiles and the scratch buffers grow outside any
-  capture. The second captures, then replays.
+- The first backward of a layer at its shapes runs eagerly: Triton compiles and the scratch buffers grow outside
+  any capture. The second captures, then replays; so does the first at a new key of shapes already run (another
+  count of example boundaries).
 - Only for layers without randomness: `graphs_refusal` says why a model cannot use them (dropout), and the
   caller does not create them then.
 - Whatever a capture refuses (a host sync, a copy from pageable memory) turns graphs off for the run with the
@@ -177,7 +178,8 @@ class LayerGraphs:
         if not self.enabled:
             return None
         tensors: list[torch.Tensor] = []
-        spec: list[Any] = [hidden.shape, hidden.dtype, grad_out.shape, grad_out.dtype, hidden_grad, context]
+        shapes = (hidden.shape, hidden.dtype, grad_out.shape, grad_out.dtype, hidden_grad, context)
+        spec: list[Any] = list(shapes)
         try:
             _flatten((rest, kwargs), tensors, spec)
         except _Unkeyable:
@@ -190,10 +192,13 @@ class LayerGraphs:
         if entry is not None and not _same(entry.params, params):
             return None  # the layer trains other parameters than when captured
         if entry is None:
-            if (idx, key) not in self._seen:
+            # The layer's own shapes, without its other arguments': once it has run eagerly at them, its kernels are
+            # compiled and the scratch buffers grown, so a new key of those shapes (another count of example
+            # boundaries) is captured at once, where it used to run one more eager backward first.
+            if (idx, shapes) not in self._seen:
                 if len(self._seen) >= _MAX_SEEN:  # shapes that change every step (padding-free batches)
                     self._seen.clear()
-                self._seen.add((idx, key))
+                self._seen.add((idx, shapes))
                 return None  # eager first: compiles kernels and grows scratch buffers outside a capture
             if inputs is None:
                 pair = (self._buffer(0, hidden.shape, hidden.dtype), self._buffer(1, hidden.shape, hidden.dtype))
