@@ -109,11 +109,7 @@ def test_each_graphs_table_graphed_every_unsloth_cell_of_1b_and_8b(table):
     assert len(graphed) == 8 and all(r["cuda_graphs"].split()[0] != "0" for r in graphed)
 
 
-@pytest.mark.parametrize(
-    "row",
-    [r for t in GRAPHS_TABLES for r in _graphed(t)],
-    ids=[f"{t.stem}-{_id(r)}" for t in GRAPHS_TABLES for r in _graphed(t)],
-)
+@pytest.mark.parametrize("row", [pytest.param(r, id=f"{t.stem}-{_id(r)}") for t in GRAPHS_TABLES for r in _graphed(t)])
 def test_train_gpu_estimate_with_cuda_graphs_holds_every_graphed_cell(row):
     est = _cell_estimate(row)
     ratio = est.gpu_bytes / row["peak_device_used"]

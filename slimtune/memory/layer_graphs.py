@@ -192,7 +192,7 @@ class LayerGraphs:
         if entry is not None and not _same(entry.params, params):
             return None  # the layer trains other parameters than when captured
         if entry is None:
-            # The layer's own shapes, without its other arguments': once it has run eagerly at them, its kernels are
+            # The layer's own shapes, not its other arguments: once it has run eagerly at them, its kernels are
             # compiled and the scratch buffers grown, so a new key of those shapes (another count of example
             # boundaries) is captured at once, where it used to run one more eager backward first.
             if (idx, shapes) not in self._seen:
