@@ -25,27 +25,38 @@ REPO = Path(__file__).resolve().parent.parent
 TARGET = REPO / "prefect.yaml"
 ENTRYPOINT = "slimtune/flows/finetune.py:finetune"
 WORK_POOL = "gpu-hosts"
+CPU_POOL = "cpu-hosts"
+# The flow holds one slot per GPU of the global concurrency limit SLIMTUNE_GPU_SLOT names ("gpu" by default);
+# a CPU deployment names its own, so a CPU run never takes a GPU's slot.
+CPU_SLOT = "cpu"
+# What a GPU example ships with until the user makes it theirs: its schedule stays off until then, so a
+# `prefect deploy --all` does not start a weekly 7B run on the sample data that pushes to a repository nobody owns.
+SAMPLE_DATA = "deployments/data/"
+PLACEHOLDER_REPO = "your-org/"
 
 # What a deployment needs besides its spec. Every spec file listed here is deployed; the schedules are
-# registered by `prefect deploy` (cron, in UTC).
+# registered by `prefect deploy` (cron, in UTC), active as `schedule_active` decides. The work pool and
+# queue follow from the spec (`placement`).
 DEPLOYMENTS: dict[str, dict[str, Any]] = {
     "tiny.yaml": {
         "description": "The embedded default: a tiny local Llama on the shipped sample data, CPU only.",
         "tags": ["tiny", "cpu"],
     },
     "tiny-smoke.yaml": {
-        "description": "A two-minute canary of the whole pipeline (4 steps, one GGUF type); runs nightly.",
+        "description": "A two-minute canary of the whole pipeline (4 steps, one GGUF type) on a CPU worker; "
+        "runs nightly.",
         "tags": ["tiny", "cpu", "canary"],
-        "schedules": [{"cron": "0 3 * * *", "timezone": "UTC", "active": True}],
+        "schedules": [{"cron": "0 3 * * *", "timezone": "UTC"}],
     },
     "llama-3.1-8b.yaml": {
         "description": "Llama-3.1-8B-Instruct QLoRA on one GPU, GGUF q4_k_m and q8_0.",
         "tags": ["llama", "gpu"],
     },
     "qwen2.5-7b.yaml": {
-        "description": "Qwen2.5-7B-Instruct QLoRA on two GPUs (DDP), weekly re-train, pushed to the Hub.",
+        "description": "Qwen2.5-7B-Instruct QLoRA on two GPUs (DDP), weekly re-train, pushed to the Hub. The "
+        "weekly schedule is off until the spec names your data and your repository.",
         "tags": ["qwen", "gpu", "ddp"],
-        "schedules": [{"cron": "0 2 * * 1", "timezone": "UTC", "active": True}],
+        "schedules": [{"cron": "0 2 * * 1", "timezone": "UTC"}],
     },
 }
 
@@ -61,9 +72,13 @@ HEADER = """\
 #
 # Workers clone SLIMTUNE_GIT_URL (branch main) for every run and start the flow in the clone, where
 # the spec paths below (relative to the repository root) resolve. Set up a server once (docs/deployments.md):
-#   prefect work-pool create gpu-hosts --type process
+#   prefect work-pool create gpu-hosts --type process --base-job-template deployments/process/gpu-hosts.json
 #   prefect work-pool set-concurrency-limit gpu-hosts <number of GPUs across all hosts>
+#   prefect work-pool create cpu-hosts --type process --base-job-template deployments/process/gpu-hosts.json
 #   prefect deploy --all
+# CPU specs (model.device: cpu) go to cpu-hosts; GPU specs to gpu-hosts, on the queue of workers that see
+# train.num_gpus GPUs (default, gpus-2, ...). A GPU example's schedule stays inactive while its spec trains
+# on the sample data or pushes to your-org/...; edit the spec and re-render to turn it on.
 """
 
 
@@ -91,12 +106,42 @@ def deploy_parameters(spec_file: Path) -> dict[str, Any]:
     return {"spec": raw}
 
 
+def placement(spec: dict[str, Any]) -> dict[str, Any]:
+    """The work pool, queue and job variables a deployed spec needs.
+
+    A CPU spec goes to the CPU pool, where a GPU worker's `--limit 1` and the GPU pool's limit are not spent on
+    it, and holds the CPU slot. A GPU spec goes to the GPU pool, on the queue served by workers that see
+    `train.num_gpus` GPUs: a 2-GPU run picked up by a worker that sees one would fail.
+    """
+    if (spec.get("model") or {}).get("device") == "cpu":
+        return {
+            "name": CPU_POOL,
+            "work_queue_name": "default",
+            "job_variables": {"env": {"SLIMTUNE_GPU_SLOT": CPU_SLOT}},
+        }
+    gpus = (spec.get("train") or {}).get("num_gpus", 1)
+    return {"name": WORK_POOL, "work_queue_name": "default" if gpus == 1 else f"gpus-{gpus}", "job_variables": {}}
+
+
+def schedule_active(spec: dict[str, Any]) -> bool:
+    """Whether a deployment's schedules start active: always for a CPU spec (the canary); for a GPU spec only
+    once it trains on data other than the shipped sample and pushes, if at all, to a repository other than
+    the placeholder."""
+    if (spec.get("model") or {}).get("device") == "cpu":
+        return True
+    sources = (spec.get("data") or {}).get("sources") or [spec.get("data") or {}]
+    sample = any(str(s.get("path", SAMPLE_DATA)).startswith(SAMPLE_DATA) for s in sources)
+    repo = ((spec.get("export") or {}).get("push") or {}).get("repo_id", "")
+    return not sample and not repo.startswith(PLACEHOLDER_REPO)
+
+
 def render() -> str:
     """The text of prefect.yaml."""
     deployments = []
     for filename, extra in DEPLOYMENTS.items():
         spec_file = REPO / "deployments" / filename
         params = deploy_parameters(spec_file)
+        active = schedule_active(params["spec"])
         deployments.append(
             {
                 "name": params["spec"].get("name", spec_file.stem),
@@ -104,8 +149,8 @@ def render() -> str:
                 "entrypoint": ENTRYPOINT,
                 "tags": extra["tags"],
                 "parameters": params,
-                "schedules": extra.get("schedules", []),
-                "work_pool": {"name": WORK_POOL, "work_queue_name": "default", "job_variables": {}},
+                "schedules": [{**s, "active": active} for s in extra.get("schedules", [])],
+                "work_pool": placement(params["spec"]),
             }
         )
     body = {

@@ -2,7 +2,7 @@
 
 Prefect artifacts hold text only, and the UI's markdown renderer shows `![alt](data:image/png;base64,...)`
 images inline (checked in headless Chromium by tests/test_ui.py), so a picture needs no file server. A
-re-publish under the same key makes a new version that the run page shows instead of the old one.
+re-publish replaces the picture in the run's one artifact of that key (`slimtune.run_artifacts`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import logging
 from collections.abc import Sequence
 
 from slimtune.memory.guard import GuardRecord
+from slimtune.run_artifacts import publish_markdown, run_key
 
 log = logging.getLogger(__name__)
 _GIB = 1024**3
-LOSS_CURVE_KEY = "loss-curve"
-MEMORY_CHART_KEY = "memory-chart"
+LOSS_CURVE_KIND = "loss-curve"
+MEMORY_CHART_KIND = "memory-chart"
 
 
 def _png(fig) -> bytes:
@@ -76,23 +77,13 @@ def image_markdown(title: str, png: bytes, alt: str) -> str:
 
 
 def publish_image(key: str | None, title: str, png: bytes, description: str) -> None:
-    """Publish (or re-publish) a picture as a markdown artifact; does nothing outside a Prefect run.
-
-    Never fails the caller: a chart is a view of the run, not part of its result.
-    """
-    try:
-        from prefect.artifacts import create_markdown_artifact
-        from prefect.context import FlowRunContext, TaskRunContext
-
-        if FlowRunContext.get() is None and TaskRunContext.get() is None:
-            return
-        create_markdown_artifact(image_markdown(title, png, title), key=key, description=description)
-    except Exception as e:
-        log.warning("could not publish the %s artifact: %s", key, e)
+    """Publish a picture as the run's markdown artifact `key`, replacing an earlier one; does nothing outside a
+    Prefect run and never fails the caller: a chart is a view of the run, not part of its result."""
+    publish_markdown(key, image_markdown(title, png, title), description)
 
 
-def publish_memory_chart(records: Sequence[GuardRecord]) -> None:
-    """The memory-per-stage chart of the stages finished so far (never fails the caller)."""
+def publish_memory_chart(records: Sequence[GuardRecord], run_name: str) -> None:
+    """The memory-per-stage chart of the stages finished so far, as the run's "<run>-memory-chart" artifact."""
     if not records:
         return
     try:
@@ -100,4 +91,4 @@ def publish_memory_chart(records: Sequence[GuardRecord]) -> None:
     except Exception as e:
         log.warning("could not draw the memory chart: %s", e)
         return
-    publish_image(MEMORY_CHART_KEY, "Memory per stage", png, "Peak host and GPU memory per stage")
+    publish_image(run_key(run_name, MEMORY_CHART_KIND), "Memory per stage", png, "Peak host and GPU memory per stage")

@@ -1,9 +1,9 @@
 """Checks of a valid spec against the machine and the files it names, before any model is loaded.
 
 The spec's own validation (`slimtune.spec`) sees one field at a time; these look outside it: can the run
-directory be written, is the GPU there, are the model's files readable, do the LoRA targets exist in the
-model (built on the meta device from config.json: no weights, no memory), is the push repo id one the
-Hub accepts. Each problem is one line naming the field or file and the fix; `slimtune validate` and
+directory and PREFECT_HOME be written, is the GPU there, are the model's files readable, do the LoRA
+targets exist in the model (built on the meta device from config.json: no weights, no memory), is the
+push repo id one the Hub accepts. Each problem is one line naming the field or file and the fix; `slimtune validate` and
 `slimtune run` both print them and stop with exit code 2.
 """
 
@@ -18,14 +18,14 @@ from slimtune.tiny import is_builtin
 
 def spec_problems(spec: PipelineSpec) -> list[str]:
     """Every problem found, one line each (empty when the run can start)."""
-    problems = _push_problems(spec) + _output_problems(spec) + _device_problems(spec)
+    problems = _push_problems(spec) + _output_problems(spec) + _prefect_home_problems() + _device_problems(spec)
     problems += _data_problems(spec)
     model_problems = _model_file_problems(spec)
     if not model_problems:  # a readable config.json: is the architecture supported, then its module names
         from slimtune.model_source import architecture_problem
 
         arch = architecture_problem(spec.model)
-        model_problems = [arch] if arch else _target_problems(spec)
+        model_problems = [arch] if arch else _target_problems(spec) + _gguf_tokenizer_problems(spec)
     return problems + model_problems
 
 
@@ -51,6 +51,24 @@ def _output_problems(spec: PipelineSpec) -> list[str]:
     existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         return [f"output_dir: {existing} is not writable by this user; choose a folder you can write to"]
+    return []
+
+
+def _prefect_home_problems() -> list[str]:
+    """PREFECT_HOME holds the temporary server's database, persisted task results and the GPU lock file.
+
+    A run that could not write it retried for ~200 s and printed ~1,000 lines with 8 tracebacks, none
+    naming PREFECT_HOME. Read through Prefect's settings: they also come from profiles and .env files.
+    """
+    from prefect.settings import PREFECT_HOME
+
+    home = Path(PREFECT_HOME.value()).expanduser()
+    existing = next(p for p in (home, *home.parents) if p.exists())
+    if not existing.is_dir():
+        return [f"PREFECT_HOME: {home} is not a folder ({existing} is a file); set PREFECT_HOME to a folder"]
+    if not os.access(existing, os.W_OK | os.X_OK):  # also false on a read-only mount, even for root
+        where = "is" if existing == home else f"would be created in {existing}, which is"
+        return [f"PREFECT_HOME: {home} {where} not writable; set PREFECT_HOME to a folder you can write to"]
     return []
 
 
@@ -133,6 +151,18 @@ def model_modules(model_dir: Path) -> tuple[list[str], list[str]]:
     modules = list(model.named_modules())
     linear = {n.rsplit(".", 1)[-1] for n, m in modules if isinstance(m, torch.nn.Linear)} - {"lm_head"}
     return [n for n, _ in modules if n], sorted(linear)
+
+
+def _gguf_tokenizer_problems(spec: PipelineSpec) -> list[str]:
+    """Whether each requested GGUF can carry the tokenizer with identical ids, from the tokenizer files alone:
+    before training, not after it (`slimtune.export.gguf_tokenizer_check`)."""
+    model_dir = _local_model_dir(spec)
+    if not spec.export.gguf or model_dir is None:
+        return []
+    from slimtune.export.gguf_tokenizer_check import tokenizer_export_problem
+
+    problem = tokenizer_export_problem(model_dir, as_is=spec.export.gguf_tokenizer == "as_is")
+    return [problem] if problem else []
 
 
 def _target_problems(spec: PipelineSpec) -> list[str]:

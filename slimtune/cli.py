@@ -13,12 +13,14 @@ import signal
 import sys
 
 from slimtune import __version__
+from slimtune.bounded import clip
 from slimtune.sizes import parse_size
 
 # Prefect reads its settings at import; telemetry calls fail without internet and only add noise, and
 # the embedded server's 20 s start-up limit is too short on a busy 2-core machine (seen: >20 s).
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("DO_NOT_TRACK", "1")  # the client's telemetry, and its first-run notice on a terminal
 
 EXIT_INVALID_SPEC = 2  # also any bad input (a run dir, a data file) found before a model is loaded
 EXIT_FAILED = 1
@@ -27,16 +29,12 @@ EXIT_FAILED = 1
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slimtune", description="QLoRA fine-tuning to GGUF as one Prefect flow.")
     p.add_argument("--version", action="version", version=f"slimtune {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="validate SPEC and run the whole pipeline (Prefect flow)")
-    run.add_argument("spec", help="path to a YAML spec, e.g. deployments/tiny.yaml")
-    add_set_argument(run)
-    run.add_argument("--debug", action="store_true", help="show tracebacks (hidden by default: one line per error)")
+    sub = p.add_subparsers(dest="command", required=True)  # in workflow order: `--help` lists them so
+    _add_init_command(sub)
     val = sub.add_parser("validate", help="check SPEC and print it with every default filled in (YAML)")
     val.add_argument("spec", help="path to a YAML spec")
     add_set_argument(val)
     val.add_argument("--json", action="store_true", help="print JSON instead of YAML")
-    _add_workflow_commands(sub)
     plan = sub.add_parser("plan", help="estimate each stage's memory for SPEC and say whether it fits")
     plan.add_argument("spec", help="path to a YAML spec")
     plan.add_argument(
@@ -46,6 +44,17 @@ def _parser() -> argparse.ArgumentParser:
         "--host-memory", type=_size, help="host memory, e.g. 16GiB (bare number: GiB; default: available now)"
     )
     add_set_argument(plan)
+    run = sub.add_parser("run", help="validate SPEC and run the whole pipeline (Prefect flow)")
+    run.add_argument("spec", help="path to a YAML spec, e.g. deployments/tiny.yaml")
+    add_set_argument(run)
+    run.add_argument(
+        "--verbose", action="store_true", help="also show Prefect's notices, library warnings and MLflow's INFO lines"
+    )
+    _add_workflow_commands(sub)
+    for command in sub.choices.values():
+        command.add_argument(
+            "--debug", action="store_true", help="show tracebacks (hidden by default: one line per error)"
+        )
     return p
 
 
@@ -61,8 +70,8 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_workflow_commands(sub) -> None:
-    """init, generate, chat and eval: each runs its own function (`func`), not the spec path of run/validate."""
+def _add_init_command(sub) -> None:
+    """init runs its own function (`func`), not the spec path of run/validate."""
     init = sub.add_parser("init", help="write a commented starting spec for a model and a data file to stdout")
     init.add_argument("--model", required=True, help="Hub id, local model directory or builtin:tiny-<family>")
     init.add_argument("--data", required=True, help="a local .jsonl/.json/.parquet training file")
@@ -71,6 +80,16 @@ def _add_workflow_commands(sub) -> None:
     )
     init.add_argument("--name", default=None, help="run name (default: from the model and data names)")
     init.set_defaults(func=_cmd_init)
+
+
+def _add_workflow_commands(sub) -> None:
+    """eval, generate and chat: each runs its own function (`func`), not the spec path of run/validate."""
+    ev = sub.add_parser("eval", help="loss and perplexity of a finished run's merged model on a data file")
+    ev.add_argument("run_dir", help="a finished run's directory (output_dir/name)")
+    ev.add_argument("--data", required=True, help="a .jsonl/.json/.parquet file in the run's data format")
+    ev.add_argument("--base", action="store_true", help="also evaluate the base model, for comparison")
+    ev.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    ev.set_defaults(func=_cmd_eval)
     for name, helptext in (
         ("generate", "complete one prompt with a finished run's model"),
         ("chat", "talk to a finished run's model (reads turns from stdin; empty line or EOF ends)"),
@@ -90,12 +109,6 @@ def _add_workflow_commands(sub) -> None:
         cmd.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per reply")
         cmd.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
         cmd.set_defaults(func=_cmd_generate if name == "generate" else _cmd_chat)
-    ev = sub.add_parser("eval", help="loss and perplexity of a finished run's merged model on a data file")
-    ev.add_argument("run_dir", help="a finished run's directory (output_dir/name)")
-    ev.add_argument("--data", required=True, help="a .jsonl/.json/.parquet file in the run's data format")
-    ev.add_argument("--base", action="store_true", help="also evaluate the base model, for comparison")
-    ev.add_argument("--json", action="store_true", help="print JSON instead of YAML")
-    ev.set_defaults(func=_cmd_eval)
 
 
 def _size(text: str) -> int:
@@ -107,13 +120,44 @@ def _size(text: str) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = clip(" ".join(str(exc).split()), 1000) or type(exc).__name__  # an error can quote any input
     return f"{type(exc).__name__}: {text}" if not str(exc).startswith(type(exc).__name__) else text
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `slimtune` command; returns the exit code."""
-    args = _parser().parse_args(argv)
+    """Entry point of the `slimtune` command; returns the exit code.
+
+    Whatever a command meets ends in one line: exit 2 for input it cannot use, 130 for Ctrl-C at any moment
+    (imports and pre-run checks included), 1 for anything else; `--debug` shows the traceback instead.
+    """
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    try:
+        return _command(_parser().parse_args(argv))
+    except KeyboardInterrupt:
+        print("slimtune: error: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise
+    except BaseException as e:  # BaseException: tokenizers' Rust panics (pyo3 PanicException) are not Exceptions
+        if debug:
+            raise
+        return _fail(e, EXIT_INVALID_SPEC if _bad_input(e) else EXIT_FAILED)
+
+
+def _bad_input(exc: BaseException) -> bool:
+    """True for errors about what the user gave (a file, a spec, stdin), as opposed to failures of the run."""
+    from slimtune.bounded import NestingError
+    from slimtune.data import DataError
+    from slimtune.generate import PromptTooLong, RunDirError
+    from slimtune.model_source import ModelSourceError
+    from slimtune.scaffold import ScaffoldError
+    from slimtune.spec import SpecError
+
+    typed = (NestingError, DataError, PromptTooLong, RunDirError, ModelSourceError, ScaffoldError, SpecError)
+    return isinstance(exc, (*typed, UnicodeError))
+
+
+def _command(args: argparse.Namespace) -> int:
     if getattr(args, "func", None) is not None:
         return args.func(args)
     from slimtune.checks import spec_problems
@@ -154,13 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(r.gpu_fits is not False and r.host_fits is not False for r in rows) else 1
     from prefect.exceptions import TerminationSignal
 
-    from slimtune.console import hide_tracebacks
+    from slimtune.console import hide_tracebacks, quiet_start
     from slimtune.data import DataError
     from slimtune.interrupt import Interrupted, exit_code, exit_now, interruptible, start_shielded_prefect_server
     from slimtune.run_lock import RunLocked, run_lock
 
     try:
         with run_lock(spec.run_dir()), interruptible():
+            if not args.verbose:
+                quiet_start()
             from slimtune.flows import finetune
 
             if not args.debug:
@@ -183,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the CLI's job: one readable line instead of a traceback as the last word
         print(f"slimtune: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_FAILED
-    print(f"slimtune: done; report at {summary['report']}")
+    from slimtune.report import done_line
+
+    print(done_line(summary))
     return 0
 
 
@@ -243,12 +291,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     try:
         gen = _generator(args)
+    except RunDirError as e:
+        return _fail(e, EXIT_INVALID_SPEC)
+    try:
         chat_loop(
             gen, sys.stdin, sys.stdout, sys.stderr, max_new_tokens=args.max_new_tokens, temperature=args.temperature
         )
-    except RunDirError as e:
-        return _fail(e, EXIT_INVALID_SPEC)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat, as EOF does (while loading: exit 130)
         print(file=sys.stdout)
     return 0
 
@@ -259,6 +308,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from slimtune.evaluate import evaluate_file
     from slimtune.generate import RunDirError
 
+    if not os.path.isfile(args.data):  # the data layer's own message names the spec's field, data.path
+        print(
+            f"slimtune: error: --data {args.data}: file not found; give a .jsonl/.json/.parquet file", file=sys.stderr
+        )
+        return EXIT_INVALID_SPEC
     try:
         result = evaluate_file(args.run_dir, args.data, include_base=args.base)
     except (RunDirError, DataError) as e:

@@ -8,6 +8,7 @@ chat template, so a prompt means the same thing to either backend and to trainin
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +39,11 @@ class _Backend(Protocol):
 
 def read_run_spec(run_dir: Path) -> dict[str, Any]:
     """The spec a run ran with: spec.effective.yaml, or the spec inside report.json (older runs)."""
-    import yaml
+    from slimtune.bounded import load_yaml
 
     effective = run_dir / "spec.effective.yaml"
     if effective.is_file():
-        return yaml.safe_load(effective.read_text(encoding="utf-8"))
+        return load_yaml(effective.read_text(encoding="utf-8"))
     report = run_dir / "report.json"
     if report.is_file():
         return json.loads(report.read_text(encoding="utf-8"))["spec"]
@@ -68,12 +69,16 @@ def pick_gguf(run_dir: Path, name: str | None = None) -> Path:
     files = sorted(
         p for p in folder.glob("*.gguf") if not p.name.startswith(".") and not p.name.endswith(ADAPTER_GGUF_SUFFIX)
     )
+    stale = _not_produced(run_dir, files)
+    files = [p for p in files if p not in stale]
     if not files:
-        raise RunDirError(f"{folder}: no GGUF files; set export.gguf (e.g. [f16]) or use --backend hf")
+        raise RunDirError(f"{folder}: no GGUF files of this run; set export.gguf (e.g. [f16]) or use --backend hf")
     if name is not None:
         chosen = [p for p in files if p.name == name or p.stem.endswith(f"-{name.lower()}")]
         if not chosen:
-            raise RunDirError(f"--gguf {name}: not in {folder}; choose one of {', '.join(p.name for p in files)}")
+            left = [p.name for p in stale if p.name == name or p.stem.endswith(f"-{name.lower()}")]
+            why = f"{left[0]} is left from an earlier run (not in this run's export.gguf)" if left else "not there"
+            raise RunDirError(f"--gguf {name}: {why}; choose one of {', '.join(p.name for p in files)}")
         return chosen[0]
     rank = {t: i for i, t in enumerate(PRECISION_ORDER)}
     return min(files, key=lambda p: rank.get(p.stem.rsplit("-", 1)[-1], len(rank)))
@@ -84,12 +89,18 @@ class _LlamaBackend:
 
     def __init__(self, gguf_path: Path, n_ctx: int, lora_path: Path | None = None):
         from slimtune.export.gguf_quantize import require_llama_cpp
-        from slimtune.export.gguf_verify import _THREADS, check_complete
+        from slimtune.export.gguf_verify import _THREADS, GGUFVerifyError, check_complete
 
         llama_cpp = require_llama_cpp("generating with llama.cpp (or use --backend hf)")
-        check_complete(gguf_path)
+        try:
+            check_complete(gguf_path)
+        except GGUFVerifyError as e:  # a damaged file of the run directory: input, not a failure of this command
+            raise RunDirError(str(e)) from None
         extra = {"lora_path": str(lora_path)} if lora_path is not None else {}
-        self.llm = llama_cpp.Llama(str(gguf_path), n_ctx=n_ctx, n_threads=_THREADS, verbose=False, **extra)
+        try:
+            self.llm = llama_cpp.Llama(str(gguf_path), n_ctx=n_ctx, n_threads=_THREADS, verbose=False, **extra)
+        except ValueError as e:  # llama-cpp-python's "Failed to load model from file": a whole file it cannot use
+            raise RunDirError(f"{gguf_path}: llama.cpp cannot load it ({e}); export it again or pick another") from None
 
     def generate(self, ids: list[int], max_new_tokens: int, temperature: float) -> list[int]:
         out: list[int] = []
@@ -208,6 +219,21 @@ def open_generator(run_dir: str | Path, *, backend: str = "llama", gguf: str | N
         )
     n_ctx = min(_MAX_CTX, model_context(source))
     return Generator(tokenizer, _LlamaBackend(pick_gguf(run_dir, gguf), n_ctx), n_ctx)
+
+
+def _not_produced(run_dir: Path, files: list[Path]) -> list[Path]:
+    """The GGUF files the run's own spec does not produce (`{name}-{type}.gguf` and its split shards for each
+    type of export.gguf): left by an earlier run with another export list, they are never loaded by
+    default. Empty when the run directory holds no spec to tell."""
+    import yaml
+
+    try:
+        spec = read_run_spec(run_dir)
+        stems = [f"{spec['name']}-{t}" for t in spec["export"]["gguf"]]
+    except (ValueError, yaml.YAMLError, KeyError, TypeError):  # no spec (RunDirError), or not one we can read
+        return []
+    shard = r"(-\d{5}-of-\d{5})?"
+    return [p for p in files if not any(re.fullmatch(re.escape(stem) + shard, p.stem) for stem in stems)]
 
 
 def model_context(model_dir: Path) -> int:

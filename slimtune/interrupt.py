@@ -7,7 +7,8 @@ state reports against the dead server for ~300 s, and SIGTERM had no handler at 
 - the temporary server is started with SIGINT and SIGTERM blocked (the mask is inherited across fork and
   exec, and uvicorn only installs handlers, which a blocked signal never reaches), so a signal to the
   whole group leaves it up and the flow's "Crashed" report goes through at once; the CLI kills it when
-  it exits (it keeps nothing that matters: the run history is in SQLite, which survives a kill);
+  it exits (it keeps nothing that matters: the run history is in SQLite, which survives a kill), and a
+  watcher (`slimtune.parent_watch`) kills it when the CLI dies without exiting (kill -9, the OOM killer);
 - the first SIGINT raises `Interrupted` in the main thread: training stops where it is, the flow run
   ends Crashed, and the CLI prints one line. SIGTERM goes through Prefect's own bridge while the flow
   runs (it raises TerminationSignal, records the crash, then re-sends the signal to our handler);
@@ -54,6 +55,8 @@ def _stop_prefect_server() -> None:
         if server.server_process is not None and server.server_process.poll() is None:
             server.server_process.kill()
             server.server_process.wait()
+        for watcher in getattr(server, "watchers", []):  # its server is gone: let it exit now
+            watcher.stdin.close()
 
 
 def _force_exit(signum: int, why: str) -> None:
@@ -66,20 +69,57 @@ def _force_exit(signum: int, why: str) -> None:
     os._exit(exit_code(signum))
 
 
+START_LIMIT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+
+
+class ServerStartTimeout(RuntimeError):
+    """The temporary Prefect server did not answer within its start limit; the message names the setting."""
+
+
 def start_shielded_prefect_server() -> None:
-    """Start Prefect's temporary API server now, with SIGINT blocked in it, when the run will use one."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+    """Start Prefect's temporary API server now, with SIGINT blocked in it and bound to this process's life
+    (`slimtune.parent_watch`), when the run will use one.
+
+    Raises:
+        ServerStartTimeout: it did not answer within PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.
+    """
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_EPHEMERAL_ENABLED,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    )
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return
     from prefect.server.api.server import SubprocessASGIServer
 
+    from slimtune.parent_watch import watch
+
+    class _ParentBound(SubprocessASGIServer):
+        """Each server process Prefect starts (it starts another when the port was taken) gets a watcher."""
+
+        def _run_uvicorn_command(self):
+            process = super()._run_uvicorn_command()
+            self.watchers = [*getattr(self, "watchers", []), watch(process.pid)]
+            return process
+
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(_SIGNALS))
     try:
-        SubprocessASGIServer().start()  # the instance Prefect's client uses; it finds it running
+        # The instance Prefect's client uses (its constructor returns the one instance per port): it finds
+        # it running. An instance made earlier keeps Prefect's class, and so has no watcher.
+        _ParentBound().start()
+    except RuntimeError as e:
+        if not str(e).startswith("Timed out"):
+            raise
+        _stop_prefect_server()
+        limit = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+        raise ServerStartTimeout(
+            f"the temporary Prefect server did not answer within {limit} s ({START_LIMIT_SETTING}); on a busy "
+            f"machine raise it (e.g. {START_LIMIT_SETTING}=300) or set PREFECT_API_URL to a running server"
+        ) from None
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    atexit.register(_stop_prefect_server)  # runs before Prefect's own stop (atexit is last in, first out)
+        atexit.register(_stop_prefect_server)  # after start()'s own: atexit runs last in, first out
 
 
 def _watch(read_fd: int, grace_s: float) -> None:

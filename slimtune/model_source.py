@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from slimtune.bounded import loads_json
 from slimtune.families import check_architecture
 from slimtune.spec import ModelSpec
 from slimtune.tiny import ensure_builtin, is_builtin
@@ -71,8 +72,8 @@ def read_config(model_dir: Path) -> dict:
 def read_model_json(path: Path) -> dict:
     """One JSON file of the model folder (config.json, the tokenizer's), with an error that names the file."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError: name the file, not the parser's position
+        return loads_json(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, NestingError, UnicodeDecodeError: name the file
         raise ModelSourceError(
             f"model.name_or_path: {path} is not valid JSON ({e}); download or copy the model again"
         ) from None

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from slimtune.bounded import NestingError, clip, load_yaml, short_repr
 from slimtune.spec import PipelineSpec, SpecError, _submodel
 
 
@@ -21,12 +22,15 @@ def parse_assignment(text: str) -> tuple[list[str], Any]:
     """`a.b=value` -> (["a", "b"], value parsed as YAML); raises SpecError on a malformed assignment."""
     key, sep, raw = text.partition("=")
     parts = key.strip().split(".")
+    shown = short_repr(text)
     if not sep or not all(p.strip() for p in parts):
-        raise SpecError([f"--set {text!r}: expected a dotted field path and a value, e.g. --set lora.r=32"])
+        raise SpecError([f"--set {shown}: expected a dotted field path and a value, e.g. --set lora.r=32"])
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw) if raw.strip() else None
+    except NestingError as e:
+        raise SpecError([f"--set {shown}: {e}"]) from None
     except yaml.YAMLError as e:
-        raise SpecError([f"--set {text!r}: the value is not valid YAML ({' '.join(str(e).split())})"]) from None
+        raise SpecError([f"--set {shown}: the value is not valid YAML ({' '.join(str(e).split())})"]) from None
     return [p.strip() for p in parts], value
 
 
@@ -34,11 +38,11 @@ def _check_path(parts: list[str]) -> str | None:
     """None when `parts` names a field of the spec, else the problem (naming the fields that exist)."""
     model: type[BaseModel] | None = PipelineSpec
     for i, part in enumerate(parts):
-        where = ".".join(parts[:i]) or "the spec"
+        where = clip(".".join(parts[:i])) or "the spec"
         if model is None:
-            return f"{'.'.join(parts[:i])} is a value, not a section; set it as a whole (e.g. {parts[0]}...=VALUE)"
+            return f"{where} is a value, not a section; set it as a whole (e.g. {clip(parts[0])}...=VALUE)"
         if part not in model.model_fields:
-            return f"unknown field {'.'.join(parts[: i + 1])!r}; {where} has {', '.join(model.model_fields)}"
+            return f"unknown field {short_repr('.'.join(parts[: i + 1]))}; {where} has {', '.join(model.model_fields)}"
         model = _submodel(model.model_fields[part].annotation)
     return None
 
@@ -59,7 +63,7 @@ def apply_overrides(data: dict[str, Any], assignments: list[str]) -> dict[str, A
             continue
         problem = _check_path(parts)
         if problem:
-            problems.append(f"--set {text!r}: {problem}")
+            problems.append(f"--set {short_repr(text)}: {problem}")
             continue
         node = out
         for part in parts[:-1]:

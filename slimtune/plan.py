@@ -91,12 +91,16 @@ def detected_gpu_total(gpu_total: int | None) -> int | None:
 
 
 def detected_budget(spec: PipelineSpec, gpu_total: int | None, host: int | None) -> Budget:
-    """The given budgets, else this machine's GPU (device 0) and available host memory."""
+    """The given budgets, else this machine's GPU (device 0) and available host memory; no GPU for a CPU spec."""
+    if spec.model.device == "cpu":
+        gpu_total = None
+    elif gpu_total is None:
+        gpu_total = detected_gpu_total(None)
     if host is None:
         import psutil
 
         host = psutil.virtual_memory().available
-    return Budget(detected_gpu_total(gpu_total), spec.guard.gpu_memory_fraction, host)
+    return Budget(gpu_total, spec.guard.gpu_memory_fraction, host)
 
 
 def train_estimate(
@@ -237,23 +241,26 @@ def _verdict(ok: bool | None) -> str:
 def render(spec: PipelineSpec, rows: list[StagePlan], limits: dict, budget: Budget) -> str:
     """The plan as text: budgets, each stage's estimate with its main terms and verdicts, the limits."""
     cap = f", allocator capped at {spec.guard.gpu_memory_fraction:g} of it" if budget.gpu_fraction else ""
+    cpu = spec.model.device == "cpu"  # a CPU run uses no GPU memory: no GPU figures at all
     lines = [
         f"plan for {spec.name}: {spec.model.name_or_path}, micro-batch {limits['micro_batch']} x "
         f"{spec.data.max_seq_length} tokens, checkpointing {spec.lora.gradient_checkpointing}, "
         f"kernels {spec.train.kernels}",
-        f"budget: GPU {_gib(budget.gpu_total)}{cap}; host {_gib(budget.host)}",
+        f"budget: host {_gib(budget.host)} (model.device is cpu)"
+        if cpu
+        else f"budget: GPU {_gib(budget.gpu_total)}{cap}; host {_gib(budget.host)}",
     ]
     for row in rows:
         est = row.estimate
         lines.append(f"- {row.stage}:")
-        if est.gpu_bytes:
+        if est.gpu_bytes and not cpu:
             lines.append(
                 f"    GPU  {_gib(est.gpu_bytes):>11}  {_verdict(row.gpu_fits):12}  {est.top_terms('gpu: ', 4)}"
             )
         lines.append(f"    host {_gib(est.host_bytes):>11}  {_verdict(row.host_fits):12}  {est.top_terms('host: ', 3)}")
         if est.disk_bytes:
             lines.append(f"    disk {_gib(est.disk_bytes):>11}  {'':12}  {est.top_terms('disk: ', 2)}")
-    if budget.gpu_total is not None:
+    if budget.gpu_total is not None and not cpu:
         best = limits["largest_micro_batch"]
         lines.append(
             f"largest micro-batch that fits at {spec.data.max_seq_length} tokens: {best or 'none'}; "

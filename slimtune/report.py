@@ -61,6 +61,8 @@ def _training_rows(trained: dict) -> list[list[str]]:
     if losses:
         rows.append(["train loss", f"{losses[0]['loss']:.4g} → {losses[-1]['loss']:.4g} (step {losses[-1]['step']})"])
     rows.append(["steps", str(trained.get("steps"))])
+    if trained.get("training_seconds") is not None:  # the run's, kept by a re-run; `seconds` is this call's
+        rows.append(["training time", f"{trained['training_seconds']:.1f} s"])
     rows.append(["tokens/s", f"{trained.get('tokens_per_s', 0):,.0f} ({trained.get('tokens_seen', 0):,} tokens)"])
     rows.append(["padding waste", f"{100 * trained.get('padding_waste', 0):.1f}%"])
     rows.append(["adapter", f"`{trained.get('adapter_dir')}`"])
@@ -210,6 +212,18 @@ def render_memory_markdown(records: list[GuardRecord]) -> str:
     lines += ["", "## Downshifts", ""]
     lines += [f"- {stage}: {note}" for stage, note in shifts] or ["None: every stage ran as configured."]
     return "\n".join(lines)
+
+
+def done_line(summary: dict) -> str:
+    """The CLI's last line: what the run produced (eval loss, GGUF files) and the readable report's path."""
+    report_md = Path(summary["report"]).with_name("report.md")
+    trained = summary.get("packed_sft") or {}
+    before, after = trained.get("eval_loss_before"), trained.get("eval_loss_after")
+    parts = [f"eval loss {_fmt(before)} -> {_fmt(after)}"] if before is not None and after is not None else []
+    files = (summary.get("gguf_convert_and_push") or {}).get("files") or {}
+    if files:  # the export task writes them under <run dir>/gguf/
+        parts.append("GGUF " + ", ".join(str(report_md.parent / "gguf" / name) for name in files))
+    return "slimtune: done; " + "; ".join([*parts, f"report at {report_md}"])
 
 
 def write_run_report(run_dir: Path, summary: dict) -> Path:

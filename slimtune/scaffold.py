@@ -35,6 +35,10 @@ _LENGTH_STEP = 64  # rows in multiples of 64 tokens: tensor-core friendly, and r
 # the QLoRA paper used for most runs; the micro-batch is a divisor of it, as with `micro_batch_size: auto`.
 _TARGET_BATCH = TrainSpec.model_fields["effective_batch_size"].default
 _LORA_R = 16  # rank 16 on all projections: the QLoRA paper's setting
+# Small data: at least this many optimizer steps where fewer rows per step and up to _MAX_EPOCHS passes give
+# them (80 chat records used to get 4 steps, too few for the loss to move or for its curve to say anything).
+_MIN_STEPS = 50
+_MAX_EPOCHS = 3
 _CPU_MICRO_BATCH = 4  # without a GPU budget there is nothing to size against
 
 
@@ -105,6 +109,40 @@ def _propose_micro_batch(spec: PipelineSpec, cfg: dict, gpu_total: int | None) -
     )
 
 
+def _spec_path(path: Path) -> str:
+    """The data path as the spec holds it: relative to the working directory when the file is under it (the
+    spec is printed to be saved there, and a relative path is read against the spec's folder, then the working
+    directory), so the spec moves with its project; else absolute."""
+    resolved = path.resolve()
+    try:
+        return str(resolved.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(resolved)
+
+
+def _propose_length(
+    lengths: list[int], records: int, seq_len: int, eval_fraction: float, micro_batch: int
+) -> tuple[int, int, str, str]:
+    """(accumulation, epochs, accumulation comment, epochs comment). Packed rows of `seq_len` tokens per epoch
+    come from the sampled lengths scaled to the records read; small data gets fewer rows per optimizer step
+    (down to one micro-batch), then more passes, until it has _MIN_STEPS steps or _MAX_EPOCHS passes."""
+    tokens = sum(min(n, seq_len) for n in lengths) * records / len(lengths)
+    rows = max(1, math.ceil(tokens * (1 - eval_fraction) / seq_len))
+    accumulation = max(1, _TARGET_BATCH // micro_batch)
+    while accumulation > 1 and math.ceil(rows / (micro_batch * accumulation)) < _MIN_STEPS:
+        accumulation //= 2
+    per_epoch = math.ceil(rows / (micro_batch * accumulation))
+    epochs = min(_MAX_EPOCHS, math.ceil(_MIN_STEPS / per_epoch))
+    batch = micro_batch * accumulation
+    accumulation_note = f"{batch} packed rows per optimizer step"
+    if batch < micro_batch * max(1, _TARGET_BATCH // micro_batch):
+        accumulation_note += f" (fewer than {_TARGET_BATCH} for small data: ~{rows} rows a pass)"
+    epochs_note = f"~{per_epoch * epochs} optimizer steps: {per_epoch} a pass over ~{rows} packed rows"
+    if epochs > 1:
+        epochs_note += f"; {epochs} passes for small data (watch the eval loss for overfitting)"
+    return accumulation, epochs, accumulation_note, epochs_note
+
+
 def scaffold_spec(model: str, data: str, *, gpu_memory: int | None = None, name: str | None = None) -> str:
     """A commented YAML spec for `model` on `data` (validated before it is returned).
 
@@ -154,7 +192,10 @@ def scaffold_spec(model: str, data: str, *, gpu_memory: int | None = None, name:
     except SpecError as e:  # a bug here, not the user's
         raise ScaffoldError(f"the proposed spec does not validate ({e}); please report it") from None
     micro_batch, mb_note = _propose_micro_batch(sizing, cfg, gpu_total)
-    accumulation = _TARGET_BATCH // micro_batch
+    eval_fraction = 0.1 if len(lengths) >= 20 else 0.0
+    accumulation, epochs, accumulation_note, epochs_note = _propose_length(
+        lengths, seen, seq_len, eval_fraction, micro_batch
+    )
 
     def line(key: str, value: Any, comment: str, indent: int = 2) -> str:
         text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
@@ -183,7 +224,7 @@ def scaffold_spec(model: str, data: str, *, gpu_memory: int | None = None, name:
             else "off on the CPU: it only saves GPU memory and costs time",
         ),
         "data:",
-        line("path", str(data_path.resolve()), f"{seen} records read to make this proposal"),
+        line("path", _spec_path(data_path), f"{seen} records read to make this proposal"),
         line(
             "format",
             fmt,
@@ -195,16 +236,12 @@ def scaffold_spec(model: str, data: str, *, gpu_memory: int | None = None, name:
             f"covers {covered} of {len(lengths)} examples (longest {max(lengths)} tokens, median "
             f"{sorted(lengths)[len(lengths) // 2]}); longer ones are truncated",
         ),
-        line("eval_fraction", 0.1 if len(lengths) >= 20 else 0.0, "held out for eval loss and perplexity"),
+        line("eval_fraction", eval_fraction, "held out for eval loss and perplexity"),
         "train:",
         line("micro_batch_size", micro_batch, mb_note),
-        line(
-            "gradient_accumulation_steps",
-            accumulation,
-            f"{micro_batch * accumulation} packed rows per optimizer step",
-        ),
+        line("gradient_accumulation_steps", accumulation, accumulation_note),
         line("learning_rate", 2e-4, f"the usual QLoRA learning rate for r={_LORA_R}"),
-        line("epochs", 1, "one pass; raise it for small data sets"),
+        line("epochs", epochs, epochs_note),
         "export:",
         line("gguf", ["q8_0"], "add q4_k_m for a smaller file (needs llama-cpp-python)"),
         "",

@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from slimtune.bounded import NestingError, load_yaml, short_repr
 from slimtune.gguf_types import GGUF_ALIASES, GGUF_LLAMA_CPP, GGUF_NATIVE
 from slimtune.tiny import BUILTIN_PREFIX, FAMILIES, is_builtin
 
@@ -28,24 +29,45 @@ MERGE_MEMORY_USAGE_MAX = 0.95
 
 
 def _form_schema(schema: dict[str, Any]) -> None:
-    """Make a section's JSON schema one the Prefect run form renders: a one-value Literal becomes an enum
-    (a `const` shows as "cannot be changed"), and an optional field's null branch is dropped (it shows as
-    "Property is type None"; leaving the field empty already means None)."""
+    """Make a section's JSON schema one that Prefect's run form (3.8) submits unchanged.
+
+    A one-value Literal becomes an enum (a `const` shows as "cannot be changed"). An optional field loses its
+    null branch ("Property is type None") and its `default: null`: the form fills every field that has a
+    default, and a null then fails the form's own check ("None is not of type 'string'"); a field without
+    one is left out of what the form sends, and the server's check admits null for it anyway. An optional
+    section (export.push) keeps both, titled "Off": the form shows a choice that starts at Off, instead of a
+    half-filled section whose required fields fail ("'repo_id' is a required property").
+    """
 
     def fix(prop: dict[str, Any]) -> dict[str, Any]:
         if "const" in prop:
             prop["enum"] = [prop.pop("const")]
-        branches = [fix(b) for b in prop.get("anyOf", []) if b.get("type") != "null"]
-        if "anyOf" in prop:
-            if len(branches) == 1:
-                del prop["anyOf"]
-                prop = {**branches[0], **prop}
-            else:
-                prop["anyOf"] = branches
+        if "anyOf" not in prop:
+            return prop
+        branches = [fix(b) for b in prop["anyOf"] if b.get("type") != "null"]
+        optional = len(branches) < len(prop["anyOf"])
+        if optional and len(branches) == 1 and "$ref" in branches[0]:
+            prop["anyOf"] = [branches[0], {"type": "null", "title": "Off"}]
+            return prop
+        if optional and "default" in prop and prop["default"] is None:
+            del prop["default"]
+        if len(branches) == 1:
+            del prop["anyOf"]
+            prop = {**branches[0], **prop}
+        else:
+            prop["anyOf"] = branches
         return prop
 
     for name, prop in schema.get("properties", {}).items():
         schema["properties"][name] = fix(prop)
+
+
+def _pipeline_form_schema(schema: dict[str, Any]) -> None:
+    """The run form's schema of the whole spec: `resubmits` is the crash hook's counter, not a setting, so it
+    is off the form (which lists `properties` only) but still admitted where the server checks a re-submitted
+    run's parameters (`patternProperties` is exempt from `additionalProperties: false`)."""
+    _form_schema(schema)
+    schema["patternProperties"] = {"^resubmits$": schema["properties"].pop("resubmits")}
 
 
 class _Section(BaseModel):
@@ -199,6 +221,13 @@ class DataSpec(_Section):
         description="Train only on assistant/completion tokens (prompt, system and user tokens get "
         "label -100). Plain text always trains on every token.",
     )
+    train_reasoning: bool = Field(
+        True,
+        description="With completion_only_loss, also train an assistant message's reasoning block (its "
+        "reasoning_content, or a leading think block in its content) where the chat template renders it "
+        "(Qwen3 renders it only after the last user message); false trains the answer alone. Templates "
+        "with generation markers train what they mark.",
+    )
     max_seq_length: int = Field(512, ge=16, le=262144, description="Tokens per packed row.")
     packing: Literal["packed", "padding_free", "padded"] = Field(
         "packed",
@@ -345,6 +374,8 @@ class MergeSpec(_Section):
 class PushSpec(_Section):
     """Where the GGUF files go on the Hugging Face Hub (token from HF_TOKEN or a Prefect Secret)."""
 
+    model_config = ConfigDict(title="Push to the Hub")  # the run form's name for the choice beside "Off"
+
     repo_id: str = Field(..., description="Target repository, org/name.")
     private: bool = Field(True, description="Create the repository private.")
     revision: str | None = Field(None, description="Branch to commit to (default: main).")
@@ -373,11 +404,21 @@ class ExportSpec(_Section):
     )
     verify: bool = Field(True, description="Load every GGUF and compare it with the merged model.")
     split_max_size_gb: float | None = Field(None, gt=0, description="Split GGUF files larger than this.")
-    push: PushSpec | None = Field(None, description="Push to the Hub; omit to keep files local.")
+    push: PushSpec | None = Field(
+        None, description="Push to the Hub; leave it unset (Off on the run form) to keep the files local."
+    )
+    gguf_tokenizer: Literal["exact", "as_is"] = Field(
+        "exact",
+        description="exact: validate and run refuse, before the model loads, a tokenizer that llama.cpp would "
+        "tokenize differently from Hugging Face (so no run trains for a GGUF it cannot write). as_is: write the "
+        "closest llama.cpp vocabulary anyway; the report records the mismatch rate measured in llama.cpp.",
+    )
     adapter_gguf: bool = Field(
         False,
-        description="Also write the LoRA adapter as a llama.cpp LoRA GGUF (gguf/<name>-lora.gguf), to load "
-        "on the base model's GGUF (llama.cpp --lora); verified against the merged GGUF when export.verify.",
+        # {name}, not <name>: the run form renders help as Markdown, where <name> is an HTML tag and vanishes
+        description="Also write the LoRA adapter as a llama.cpp LoRA GGUF (gguf/{name}-lora.gguf, {name} = the run "
+        "name), to load on the base model's GGUF (llama.cpp --lora); verified against the merged GGUF when "
+        "export.verify.",
     )
     license: str | None = Field(
         None,
@@ -440,6 +481,8 @@ class GuardSpec(_Section):
 class PipelineSpec(_Section):
     """One fine-tuning run: base model -> LoRA training -> merged model -> GGUF."""
 
+    model_config = ConfigDict(json_schema_extra=_pipeline_form_schema)
+
     name: str = Field(
         "tiny",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
@@ -486,7 +529,12 @@ class SpecError(ValueError):
     def __init__(self, problems: list[str], source: str | None = None):
         self.problems = problems
         head = f"invalid spec{f' {source}' if source else ''}: {len(problems)} problem(s)"
-        super().__init__("\n".join([head] + [f"  - {p}" for p in problems]))
+        shown = [f"  - {p}" for p in problems[:_SHOWN_PROBLEMS]]  # a 5,000-item list gives 5,000 problems
+        more = [f"  - … and {len(problems) - _SHOWN_PROBLEMS} more"] if len(problems) > _SHOWN_PROBLEMS else []
+        super().__init__("\n".join([head, *shown, *more]))
+
+
+_SHOWN_PROBLEMS = 20
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:
@@ -529,7 +577,8 @@ def _describe(errors: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{loc}: required field is missing")
             continue
         value = errs[0].get("input")
-        shown = repr(value) if len(repr(value)) < 60 else type(value).__name__
+        shown = short_repr(value)  # bounded: a value can be an expanded alias bomb or a 1 MB string
+        shown = shown if len(shown) < 60 else type(value).__name__
         msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errs))
         lines.append(f"{loc}: got {shown}; " + " or ".join(msgs))
     return lines
@@ -569,12 +618,20 @@ def _check_paths(spec: PipelineSpec, base_dir: Path | None) -> list[str]:
     if spec.merge.temporary_location is not None:
         tmp = Path(spec.merge.temporary_location).expanduser()
         if tmp.exists() and not tmp.is_dir():
-            problems.append(f"merge.temporary_location: got {str(tmp)!r}; exists and is not a directory")
+            problems.append(f"merge.temporary_location: got {short_repr(str(tmp))}; exists and is not a directory")
     return problems
 
 
 def _resolve_data_path(field: str, value: str, base_dir: Path | None, problems: list[str]) -> str:
     """A data file's absolute path (relative to the spec's folder first), or `value` with a problem added."""
+    try:
+        return _resolve_existing(field, value, base_dir, problems)
+    except OSError as e:  # a name longer than the file system allows (ENAMETOOLONG), a path through a file
+        problems.append(f"{field}: got {short_repr(value)}; not a usable path ({e.strerror}); give a data file")
+        return value
+
+
+def _resolve_existing(field: str, value: str, base_dir: Path | None, problems: list[str]) -> str:
     data_path = Path(value).expanduser()
     local_suffix = data_path.suffix.lower() in (".jsonl", ".json", ".parquet")
     if not data_path.is_absolute() and base_dir is not None and (base_dir / data_path).exists():
@@ -583,16 +640,16 @@ def _resolve_data_path(field: str, value: str, base_dir: Path | None, problems: 
         value = str(data_path.resolve())
     elif local_suffix or value.startswith((".", "/", "~")):
         problems.append(
-            f"{field}: got {value!r}; file not found (looked in "
+            f"{field}: got {short_repr(value)}; file not found (looked in "
             f"{base_dir or Path.cwd()} and {Path.cwd()}); give an existing .jsonl/.json/.parquet file"
         )
     elif importlib.util.find_spec("datasets") is None:
         problems.append(
-            f"{field}: got {value!r}; not a local file, and Hub datasets need the "
+            f"{field}: got {short_repr(value)}; not a local file, and Hub datasets need the "
             "datasets extra: pip install 'slimtune[datasets]'"
         )
     if Path(value).is_dir():
-        problems.append(f"{field}: got {value!r}; is a directory; give a data file")
+        problems.append(f"{field}: got {short_repr(value)}; is a directory; give a data file")
     return value
 
 
@@ -611,7 +668,9 @@ def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     if not path.is_file():
         raise SpecError([f"spec file {str(path)!r} not found"])
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        data = load_yaml(path.read_text(encoding="utf-8"), _UniqueKeyLoader)
+    except NestingError as e:  # an alias bomb is refused before it expands (slimtune.bounded)
+        raise SpecError([f"{path.name}: {e}"], str(path)) from None
     except UnicodeDecodeError as e:
         raise SpecError(
             [f"not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r}); save it as UTF-8"], str(path)
@@ -647,7 +706,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(
                     None,
                     None,
-                    f"key {key!r} appears twice (lines {seen[key]} and {line}); keep one",
+                    f"key {short_repr(key)} appears twice (lines {seen[key]} and {line}); keep one",
                     key_node.start_mark,
                 )
             seen[key] = line

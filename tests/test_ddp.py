@@ -32,6 +32,7 @@ def _spec(tmp_path, name: str, num_gpus: int) -> PipelineSpec:
     spec.output_dir = str(tmp_path)
     spec.name = name
     spec.train.num_gpus = num_gpus
+    spec.lora.gradient_checkpointing = "unsloth"  # the GPU path under test; tiny-smoke.yaml turns it off for the CPU
     return spec
 
 

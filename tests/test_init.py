@@ -1,6 +1,7 @@
 """`slimtune init`: a commented spec proposed from the tiny model and real data files, validated by load_spec."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -43,9 +44,12 @@ def test_max_seq_length_covers_the_data(tmp_path):
     assert max(lengths) <= seq < max(lengths) + 64 or seq == 64  # the next multiple of 64, at least 64
 
 
-def test_more_gpu_memory_never_proposes_a_smaller_micro_batch():
-    small = yaml.safe_load(scaffold_spec(MODEL, str(DATA_FILE), gpu_memory=parse_size("64MiB")))["train"]
-    large = yaml.safe_load(scaffold_spec(MODEL, str(DATA_FILE), gpu_memory=parse_size("16GiB")))["train"]
+def test_more_gpu_memory_never_proposes_a_smaller_micro_batch(tmp_path):
+    # enough records for 50 optimizer steps of 16 rows, so that the small-data proposal does not apply
+    data = tmp_path / "chat.jsonl"
+    data.write_text(DATA_FILE.read_text(encoding="utf-8") * 7, encoding="utf-8")
+    small = yaml.safe_load(scaffold_spec(MODEL, str(data), gpu_memory=parse_size("64MiB")))["train"]
+    large = yaml.safe_load(scaffold_spec(MODEL, str(data), gpu_memory=parse_size("16GiB")))["train"]
     assert small["micro_batch_size"] < large["micro_batch_size"]
     for t in (small, large):  # accumulation keeps the optimizer batch at the spec's effective batch, 16 rows
         assert t["micro_batch_size"] * t["gradient_accumulation_steps"] == 16
@@ -139,3 +143,28 @@ def test_cli_init_writes_the_spec_to_stdout_and_bad_input_exits_2(tmp_path):
         timeout=300,
     )
     assert bad.returncode == 2 and "argument --gpu-memory: 'lots' is not a size" in bad.stderr, bad.stderr
+
+
+def test_small_data_gets_enough_optimizer_steps_and_a_relative_path(tmp_path, monkeypatch):
+    """80 chat records used to get 4 optimizer steps (16 rows a step, one pass) and an absolute data path: now
+    fewer rows a step and more passes, up to 3, for ~50 steps; the path is relative to where the spec is saved."""
+    import math
+
+    (tmp_path / "data").mkdir()
+    small = tmp_path / "data" / "small.jsonl"
+    small.write_text("\n".join(DATA_FILE.read_text(encoding="utf-8").splitlines()[:80]) + "\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    text = scaffold_spec(MODEL, str(small))
+    proposed = yaml.safe_load(text)
+    assert proposed["data"]["path"] == "data/small.jsonl"
+    (tmp_path / "spec.yaml").write_text(text)
+    spec = load_spec(tmp_path / "spec.yaml")  # the relative path resolves against the spec's folder
+    assert spec.data.path == str(small.resolve())
+    train, seq = proposed["train"], proposed["data"]["max_seq_length"]
+    rows = int(re.search(r"~(\d+) packed rows", text).group(1))
+    assert rows <= math.ceil(80 * 0.9 * seq / seq)  # at most one row per record: the records are shorter than seq
+    steps = math.ceil(rows / (train["micro_batch_size"] * train["gradient_accumulation_steps"])) * train["epochs"]
+    assert 30 <= steps and train["epochs"] <= 3, (steps, train)
+    assert f"~{steps} optimizer steps" in text
+    elsewhere = scaffold_spec(MODEL, str(DATA_FILE))  # a file outside the working directory keeps its full path
+    assert yaml.safe_load(elsewhere)["data"]["path"] == str(DATA_FILE.resolve())

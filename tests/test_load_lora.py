@@ -164,3 +164,27 @@ def test_gpu_requested_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
     spec.model.device = "cuda"
     with pytest.raises(RuntimeError, match="no CUDA GPU is visible; use model.device: cpu"):
         load_4bit(spec)
+
+
+def test_a_retry_after_out_of_memory_attaches_one_adapter(tmp_path, monkeypatch, recwarn):
+    import slimtune.tasks.attach_lora as attach_lora_mod
+
+    spec = _spec(save_tiny(tmp_path / "llama", "llama"))
+    loaded = load_4bit(spec)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected after peft injected the LoRA layers)")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(attach_lora_mod, "enable_checkpointing", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError):
+            attach_lora(spec, loaded.handle)
+    base = registry.get(loaded.handle)  # what the retry gets: the base model as load_4bit left it
+    assert not hasattr(base, "peft_config") and not [n for n, _ in base.named_modules() if "lora_" in n]
+    lora = attach_lora(spec, loaded.handle)
+    peft_warnings = [str(w.message) for w in recwarn if "adapter" in str(w.message) or "second time" in str(w.message)]
+    assert peft_warnings == []
+    peft_model = registry.get(lora.handle)
+    assert list(peft_model.peft_config) == ["default"]
+    lora_a = [n for n, _ in peft_model.named_modules() if n.endswith("lora_A.default")]
+    assert len(lora_a) == len(TABLE["llama"].lora_targets) * peft_model.config.num_hidden_layers

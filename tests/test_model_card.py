@@ -258,3 +258,41 @@ def test_adapter_folder_gets_its_card_and_the_hub_id_of_its_base(tmp_path):
     assert config == {"base_model_name_or_path": "org/base", "r": 8}
     card = ModelCard.load(tmp_path / "README.md")
     assert card.data.base_model == "org/base" and card.data.license == "mit" and "More Information" not in card.text
+
+
+def test_cards_carry_the_training_hyperparameters_as_trained(tmp_path):
+    """As Trainer's and Axolotl's cards do: the batch figures are the ones training ran with (an out-of-memory
+    retry halved the micro-batch and doubled accumulation here), not the spec's."""
+    from slimtune.spec import PipelineSpec
+    from slimtune.tasks.gguf_convert_and_push import card_hyperparameters
+
+    spec = PipelineSpec.model_validate(
+        {
+            "name": "run",
+            "lora": {"r": 8, "alpha": 16, "dropout": 0.05},
+            "data": {"path": "data.jsonl", "max_seq_length": 1024},
+            "train": {"learning_rate": 1e-4, "max_steps": 30, "micro_batch_size": 4, "gradient_accumulation_steps": 2},
+        }
+    )
+    trained = {"steps": 30, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "optimizer": "adamw_torch_fused"}
+    hyper = card_hyperparameters(spec, trained, "bfloat16")
+    lora = {"r": 8, "alpha": 16.0, "dropout": 0.05, "target_modules": "all-linear"}
+    for render in (
+        lambda: render_model_card(
+            repo_id=None,
+            base_model="org/base",
+            quants=[{"file": "f.gguf", "method": "f16", "size_bytes": 1}],
+            lora=lora,
+            hyperparameters=hyper,
+        ),
+        lambda: render_adapter_card(base_model="org/base", lora=lora, hyperparameters=hyper),
+    ):
+        text = _load(tmp_path, render()).text
+        section = text.split("## Training hyperparameters")[1].split("##")[0]
+        listed = dict(line[2:].split(": ", 1) for line in section.strip().splitlines())
+        assert listed["learning_rate"] == "0.0001" and listed["training_steps"] == "30"
+        assert (listed["train_batch_size"], listed["gradient_accumulation_steps"]) == ("2", "4")
+        assert listed["total_train_batch_size"] == "8" and listed["optimizer"] == "adamw_torch_fused"
+        assert listed["sequence_len"] == "1024" and listed["quantization"].startswith("4-bit nf4, double quant")
+        assert listed["quantization"].endswith("compute bfloat16")
+        assert "| r | 8 |" in text and "| dropout | 0.05 |" in text and "| target_modules | all-linear |" in text

@@ -128,3 +128,21 @@ def test_one_size_rule_for_init_and_plan_a_bare_number_is_gib(text, expected):
 def test_a_bad_size_is_refused_with_examples(bad):
     with pytest.raises(ValueError, match="is not a size; give e.g. 16GiB"):
         parse_size(bad)
+
+
+def test_cli_plan_of_a_cpu_spec_prints_no_gpu_figures(tmp_path, capsys):
+    """A CPU run uses no GPU memory: no GPU rows, budget or limits, even with --gpu-memory or a GPU present."""
+    import yaml
+
+    from slimtune.cli import main
+
+    spec = _spec(tmp_path)
+    spec.model.device = "cpu"
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    assert main(["plan", str(path), "--gpu-memory", "16GiB", "--host-memory", "64GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU" not in out and "micro-batch that fits" not in out, out
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith("    ")]
+    assert rows.count("host") == 4 and set(rows) <= {"host", "disk"}, out
+    assert "budget: host 64.00 GiB (model.device is cpu)" in out

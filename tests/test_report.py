@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slimtune.report import render_markdown
+from slimtune.report import done_line, render_markdown
 
 _GIB = 1024**3
 
@@ -91,3 +91,22 @@ def test_a_reused_run_says_whose_results_it_shows():
     md = render_markdown(_summary(reused_from="0b7e-run-one"))
     assert "nothing left to train: results of run 0b7e-run-one" in md
     assert ["tokens/s", "950 (12,000 tokens)"] in _rows(md)
+
+
+def test_a_reused_run_shows_the_original_training_time():
+    # The re-run's call took 3.6 s and trained nothing; the run trained for 115 s (the checkpoint's time).
+    md = render_markdown(_summary(reused_from="0b7e-run-one", seconds=3.6, training_seconds=115.04))
+    results = _rows(md[: md.index("## Stage details")])
+    assert ["training time", "115.0 s"] in results
+    assert not any("3.6" in cell for row in results for cell in row), results
+
+
+def test_the_last_line_of_a_run_gives_the_result_and_the_readable_report():
+    summary = _summary() | {"report": "/runs/r1/report.json"}
+    assert done_line(summary) == (
+        "slimtune: done; eval loss 5.6 -> 2.4; GGUF /runs/r1/gguf/r1-f16.gguf, /runs/r1/gguf/r1-q8_0.gguf; "
+        "report at /runs/r1/report.md"
+    )
+    # merge and export off: only what the run made
+    bare = {"packed_sft": {"eval_loss_before": None, "eval_loss_after": None}, "report": "/runs/r1/report.json"}
+    assert done_line(bare) == "slimtune: done; report at /runs/r1/report.md"

@@ -119,23 +119,39 @@ def _schema_nodes(node):
             yield from _schema_nodes(value)
 
 
-def test_run_form_schema_has_no_const_or_null_branches():
+def test_run_form_schema_has_no_const_null_default_or_internal_field():
     """Prefect's run form shows a `const` as "... is a const and cannot be changed" and a null branch as
-    "Property is type None"; the flow's parameter schema must have neither, and the same defaults."""
+    "Property is type None", fills every field that has a default (a `default: null` then fails "None is not
+    of type ..."), shows every property (the crash hook's counter too) and renders help as Markdown (a <tag>
+    vanishes). The flow's parameter schema must avoid all of these, and still admit what the flow accepts.
+    (tests/test_ui_form.py submits the form itself.)"""
     from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import validate
 
     from slimtune.flows import finetune
 
     schema = parameter_schema(finetune.fn).model_dump()
     nodes = list(_schema_nodes(schema))
-    assert not [n for n in nodes if "const" in n]
-    assert not [n for n in nodes if n.get("type") == "null"]
     sections = schema["definitions"]
+    push = sections["ExportSpec"]["properties"]["push"]
+    assert not [n for n in nodes if "const" in n]
+    # The one null branch: the optional Push section, a choice that starts at "Off" (not a half-filled section).
+    assert [n for n in nodes if n.get("type") == "null"] == [{"type": "null", "title": "Off"}]
+    assert push["default"] is None and push["anyOf"][0] == {"$ref": "#/definitions/PushSpec"}
+    assert [n for n in nodes if "default" in n and n["default"] is None] == [push]
     targets = sections["LoraSpec"]["properties"]["target_modules"]
     assert {"enum": ["all-linear"], "type": "string"} in targets["anyOf"]
-    assert sections["TrainSpec"]["properties"]["max_steps"]["type"] == "integer"
-    assert sections["TrainSpec"]["properties"]["max_steps"]["default"] is None
-    assert "<" not in sections["ModelSpec"]["properties"]["name_or_path"]["description"]  # HTML would eat it
+    max_steps = sections["TrainSpec"]["properties"]["max_steps"]
+    assert max_steps["type"] == "integer" and "default" not in max_steps
+    assert sections["TrainSpec"]["properties"]["learning_rate"]["type"] == "number"
+    assert "resubmits" not in sections["PipelineSpec"]["properties"]
+    assert not [n["description"] for n in nodes if "<" in str(n.get("description", ""))]  # Markdown would eat it
     # The model itself still accepts what the schema no longer spells out.
     spec = PipelineSpec.model_validate({"lora": {"target_modules": "all-linear"}, "train": {"max_steps": None}})
     assert spec.lora.target_modules == "all-linear" and spec.train.max_steps is None
+    # The server's check (Prefect's own validate, as for a flow run with enforce_parameter_schema) admits a whole
+    # spec with its nulls and a re-submitted run's counter, and still refuses an unknown key.
+    full = PipelineSpec(resubmits=1).model_dump(mode="json")
+    assert full["train"]["max_steps"] is None and full["export"]["push"] is None
+    assert validate({"spec": full}, schema) == []
+    assert validate({"spec": {**full, "trian": {}}}, schema)

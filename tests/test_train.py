@@ -77,7 +77,9 @@ def _model(base_dir: Path, **load_kw):
     )
 
 
-def _train(base_dir, tokenizer, examples, data, run_dir, *, mb=2, accum=1, callbacks=None, model=None, **spec):
+def _train(
+    base_dir, tokenizer, examples, data, run_dir, *, mb=2, accum=1, callbacks=None, model=None, trackers=None, **spec
+):
     train = TrainSpec(
         **{
             "learning_rate": 5e-3,
@@ -99,6 +101,7 @@ def _train(base_dir, tokenizer, examples, data, run_dir, *, mb=2, accum=1, callb
         micro_batch_size=mb,
         gradient_accumulation_steps=accum,
         callbacks=callbacks,
+        **(trackers or {}),
     )
 
 
@@ -217,63 +220,71 @@ def test_gpu_training_uses_bf16_and_the_gpu_optimizers(
     assert report.eval_loss_after < report.eval_loss_before
 
 
-def test_prefect_progress_callback_updates_artifact_in_a_run(monkeypatch):
-    import prefect.artifacts
-
+def _recording_progress(monkeypatch, calls: list) -> None:
+    """Run the callback as inside a Prefect run, recording what it publishes instead of calling the API."""
     import slimtune.train.callbacks as callbacks
 
-    calls = []
-    monkeypatch.setattr(callbacks, "_in_prefect_run", lambda: True)
-
-    def create(progress, key=None, description=None):
-        calls.append(("create", progress))
+    def publish(key, percent, description, artifact_id=None):
+        calls.append((artifact_id, percent, description))
         return "id"
 
-    monkeypatch.setattr(prefect.artifacts, "create_progress_artifact", create)
-    monkeypatch.setattr(
-        prefect.artifacts,
-        "update_progress_artifact",
-        lambda artifact_id, progress, description=None: calls.append((artifact_id, progress)),
-    )
+    monkeypatch.setattr(callbacks, "in_run", lambda: True)
+    monkeypatch.setattr(callbacks, "publish_progress", publish)
+
+
+def test_prefect_progress_callback_updates_artifact_in_a_run(monkeypatch):
+    calls = []
+    _recording_progress(monkeypatch, calls)
     callback = PrefectProgressCallback(key="run", updates=4)
     state = TrainerState(global_step=0, max_steps=8)
     callback.on_train_begin(None, state, TrainerControl())
     for step in range(1, 9):
         state.global_step = step
         callback.on_step_end(None, state, TrainerControl())
-    # At most 4 updates: every 25% of the 8 steps.
-    assert calls == [("create", 0.0), ("id", 25.0), ("id", 50.0), ("id", 75.0), ("id", 100.0)]
+    # At most 4 updates: every 25% of the 8 steps, each of the one artifact the first call created.
+    assert [(i, p) for i, p, _ in calls] == [(None, 0.0), ("id", 25.0), ("id", 50.0), ("id", 75.0), ("id", 100.0)]
+
+
+def test_prefect_progress_fills_its_stage_share_and_names_the_stage(monkeypatch):
+    """In the flow training is stage 3 of 6: its bar runs from 33.3% to 50% of the run's, and every text says
+    so in short lines (the flow-run page's card cuts each line at its width)."""
+    calls = []
+    _recording_progress(monkeypatch, calls)
+    callback = PrefectProgressCallback(key="run", updates=2, title="stage 3 of 6: packed_sft", span=(100 / 3, 50.0))
+    state = TrainerState(global_step=0, max_steps=4)
+    callback.on_train_begin(None, state, TrainerControl())
+    for step in range(1, 5):
+        state.global_step = step
+        control = TrainerControl(should_log=True)
+        callback.on_step_end(None, state, control)
+        callback.on_log(None, state, control, logs={"loss": 2.5, "tokens_per_s": 4210.0})
+    assert [round(p, 2) for _, p, _ in calls] == [33.33, 41.67, 50.0]
+    lines = calls[-1][2].split("\n\n")
+    assert lines[0] == "stage 3 of 6: packed_sft" and re.fullmatch(r"step 4/4 · ETA 0s", lines[1]), lines
+    assert lines[2] == "loss 2.5000 · 4,210 tok/s"
+    assert max(len(line) for _, _, text in calls for line in text.split("\n\n")) <= 40
 
 
 def test_prefect_progress_updates_stay_within_their_count_when_every_step_logs(monkeypatch):
     """With `logging_steps: 1` Trainer logs after every step's end; the progress artifact still gets at most
     `updates` API calls (evaluations aside), each carrying the figures of the step that made it due."""
-    import prefect.artifacts
-
     import slimtune.train.callbacks as callbacks
 
     calls = []
-    monkeypatch.setattr(callbacks, "_in_prefect_run", lambda: True)
-    monkeypatch.setattr(
-        prefect.artifacts, "create_progress_artifact", lambda progress, key=None, description=None: "id"
-    )
-    monkeypatch.setattr(
-        prefect.artifacts,
-        "update_progress_artifact",
-        lambda artifact_id, progress, description=None: calls.append((progress, description)),
-    )
+    _recording_progress(monkeypatch, calls)
     monkeypatch.setattr(callbacks.PrefectProgressCallback, "publish_curve", lambda self: None)
     callback = PrefectProgressCallback(key="run", updates=4)
     state = TrainerState(global_step=0, max_steps=8)
     callback.on_train_begin(None, state, TrainerControl())
+    calls.clear()
     for step in range(1, 9):
         state.global_step = step
         control = TrainerControl(should_log=True)  # as DefaultFlowCallback sets it, before our on_step_end
         callback.on_step_end(None, state, control)
         callback.on_log(None, state, control, logs={"loss": 10.0 - step, "tokens_per_s": 1000.0 * step})
-    assert [p for p, _ in calls] == [25.0, 50.0, 75.0, 100.0]
-    assert "loss 8.0000" in calls[0][1] and "2,000 tok/s" in calls[0][1]  # step 2's own figures
-    assert "loss 2.0000" in calls[-1][1]
+    assert [p for _, p, _ in calls] == [25.0, 50.0, 75.0, 100.0]
+    assert "loss 8.0000" in calls[0][2] and "2,000 tok/s" in calls[0][2]  # step 2's own figures
+    assert "loss 2.0000" in calls[-1][2]
     callback.on_log(None, state, TrainerControl(), logs={"eval_loss": 1.5})
     assert len(calls) == 5  # an evaluation updates at once
 
@@ -335,27 +346,63 @@ def test_a_finished_run_rerun_reuses_its_results_and_says_so(base_dir, tokenizer
 
 
 def test_report_to_writes_tensorboard_events_and_a_local_mlflow_store(base_dir, tokenizer, examples, data, tmp_path):
+    """Both trackers get every step and the final evaluation (MLflow's run used to end before it, leaving the
+    base model's step-0 eval loss as the result); MLflow also gets the spec as params and the report and the
+    adapter card as artifacts."""
     import os
 
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from slimtune.spec import PipelineSpec
+    from slimtune.train.trackers import tracker_params
+
+    spec = PipelineSpec.model_validate(
+        {"name": "run", "lora": {"r": 8, "alpha": 16}, "data": data.model_dump(), "train": {"learning_rate": 5e-3}}
+    )
+    card = tmp_path / "README.md"
+
+    def describe(report) -> list[Path]:
+        card.write_text(f"# adapter\n\n{report.steps} steps\n")
+        return [card]
+
     env_before = dict(os.environ)
     report = _train(
-        base_dir, tokenizer, examples, data, tmp_path, max_steps=3, logging_steps=1, report_to=["tensorboard", "mlflow"]
+        base_dir,
+        tokenizer,
+        examples,
+        data,
+        tmp_path,
+        max_steps=3,
+        logging_steps=1,
+        report_to=["tensorboard", "mlflow"],
+        trackers={"tracker_params": tracker_params(spec, "float32"), "describe": describe},
     )
     assert dict(os.environ) == env_before  # the tracker settings were scoped to the training call
+    final = (3, round(report.eval_loss_after, 5))
+    assert report.eval_loss_after != report.eval_loss_before  # the two evaluations are told apart below
     (events,) = {p.parent for p in (tmp_path / "tensorboard").rglob("events.out.tfevents.*")}
     acc = EventAccumulator(str(events))
     acc.Reload()
     steps = [e.step for e in acc.Scalars("train/loss")]
     assert steps == [e["step"] for e in report.losses] == [1, 2, 3]
+    assert (acc.Scalars("eval/loss")[-1].step, round(acc.Scalars("eval/loss")[-1].value, 5)) == final
     client = MlflowClient(tracking_uri=f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}")
     (run,) = [r for exp in client.search_experiments() for r in client.search_runs([exp.experiment_id])]
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted((m.step, round(m.value, 5)) for m in history) == [
         (e["step"], round(e["loss"], 5)) for e in report.losses
     ]
+    evals = sorted((m.step, round(m.value, 5)) for m in client.get_metric_history(run.info.run_id, "eval_loss"))
+    assert evals == [(0, round(report.eval_loss_before, 5)), final]
+    assert round(run.data.metrics["eval_loss"], 5) == final[1]  # the run's eval_loss is the trained model's
+    params = run.data.params
+    assert (params["lora.r"], params["lora.alpha"], params["data.max_seq_length"]) == ("8", "16.0", "96")
+    assert (params["quantization.quant_type"], params["quantization.compute_dtype"]) == ("nf4", "float32")
+    assert params["train.learning_rate"] == "0.005"
+    assert run.info.status == "FINISHED"
+    assert sorted(a.path for a in client.list_artifacts(run.info.run_id)) == ["README.md", "train_report.json"]
+    assert {p.name for p in (tmp_path / "mlflow-artifacts").rglob("*.*")} == {"README.md", "train_report.json"}
     assert not Path("mlruns").exists() and not Path("mlflow.db").exists()  # nothing in the working directory
 
 
@@ -392,12 +439,12 @@ def test_step_lines_progress_and_loss_curve_reach_prefect(
     assert all("tok/s" in s and "lr " in s and "host RSS" in s for s in train_lines), steps
     assert [s.split(" eval")[0] for s in steps if "eval loss" in s] == ["step 0/4", "step 4/4"], steps
     (progress,) = [a for a in artifacts if a.type == "progress"]
-    assert progress.data == 100.0 and re.search(
-        r"step 4/4 · ETA 0s · loss \d+\.\d{4} · [\d,]+ tok/s", progress.description
-    )
-    curves = [a for a in artifacts if a.key == "run-loss-curve"]
-    assert curves, [a.key for a in artifacts]
-    png = base64.b64decode(re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)\)", curves[-1].data).group(1))
+    assert progress.key == "run-progress" and progress.data == 50.0  # training is stage 3 of 6: up to 50%
+    description = r"stage 3 of 6: packed_sft\n\nstep 4/4 · ETA 0s\n\nloss \d+\.\d{4} · [\d,]+ tok/s"
+    assert re.fullmatch(description, progress.description), progress.description
+    # The curve was drawn at least three times (eval before, eval after, train end), always into one artifact.
+    (curve,) = [a for a in artifacts if a.key == "run-loss-curve"]
+    png = base64.b64decode(re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)\)", curve.data).group(1))
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 

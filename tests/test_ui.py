@@ -170,14 +170,19 @@ def test_flow_run_page_shows_progress_charts_and_gguf_verification(server, shots
             found = [
                 a
                 for a in _artifacts(server)
-                if a.key == f"{_NAME}-training" and {"ETA", "loss"} <= set((a.description or "").split())
+                if a.key == f"{_NAME}-progress" and {"ETA", "loss"} <= set((a.description or "").split())
             ]
             progress = found[0] if found and found[0].data < 100 else None
             time.sleep(0.5)
         assert progress is not None, (tmp_path / "flow.log").read_text()[-3000:]
         dom = _rendered(profile, f"{root}/artifacts/artifact/{progress.id}", "ETA")
-        shown = re.search(r"training: step (\d+)/(\d+) · ETA [\dhms ]+ · loss \d+\.\d{4} · [\d,]+ tok/s", dom)
-        assert shown, re.findall(r"training:[^<]*", dom) or dom[-3000:]
+        shown = re.search(
+            r"stage 3 of 6: packed_sft(?:\s*<[^>]+>)+\s*step (\d+)/(\d+) · ETA [\dhms ]+(?:\s*<[^>]+>)+\s*"
+            r"loss \d+\.\d{4} · [\d,]+ tok/s",  # one paragraph (element) per line
+            dom,
+        )
+        assert shown, re.findall(r"stage \d of 6.{0,300}", dom) or dom[-3000:]
+        assert 100 / 3 <= progress.data < 50  # training fills stage 3's share of the run's bar
         assert int(shown.group(1)) < int(shown.group(2)) == _STEPS  # caught while training, not after
         _screenshot(profile, f"{root}/artifacts/artifact/{progress.id}", shots / "during-training-progress.png")
         assert proc.wait(timeout=900) == 0, (tmp_path / "flow.log").read_text()[-3000:]
@@ -185,10 +190,17 @@ def test_flow_run_page_shows_progress_charts_and_gguf_verification(server, shots
         if proc.poll() is None:
             proc.kill()
     assert not (REPO / "runs" / _NAME).exists()  # the run stayed under tmp_path
+    flow_log = (tmp_path / "flow.log").read_text()
+    starts = [flow_log.find(f"stage {k} of {len(STAGES)}: {stage}: ") for k, stage in enumerate(STAGES, 1)]
+    assert -1 not in starts and starts == sorted(starts), starts  # a start line per stage, in order
 
     (run_id,) = {a.flow_run_id for a in _artifacts(server) if a.key == "run-report"}
-    latest = {a.key: a for a in sorted(_artifacts(server, run_id), key=lambda a: a.created)}
-    assert {"memory-report", "memory-chart", "run-report", f"{_NAME}-loss-curve"} <= set(latest), set(latest)
+    artifacts = _artifacts(server, run_id)
+    latest = {a.key: a for a in sorted(artifacts, key=lambda a: a.created)}
+    # One artifact per kind, updated in place (the charts were re-drawn many times: once per eval and stage)
+    keyed = [f"{_NAME}-{kind}" for kind in ("progress", "loss-curve", "memory-chart")] + ["run-report"]
+    assert [sum(a.key == key for a in artifacts) for key in keyed] == [1, 1, 1, 1], sorted(a.key for a in artifacts)
+    assert latest[f"{_NAME}-progress"].data == 100.0 and "finished in" in latest[f"{_NAME}-progress"].description
 
     # After the run: the flow-run page lists every stage and shows the pictures and the GGUF verification.
     page = f"{root}/runs/flow-run/{run_id}"
@@ -196,7 +208,7 @@ def test_flow_run_page_shows_progress_charts_and_gguf_verification(server, shots
     for stage in STAGES:
         assert f"{stage} [{_NAME}]" in tasks_dom, f"task run {stage} not rendered"
 
-    for key, shot in ((f"{_NAME}-loss-curve", "loss-curve.png"), ("memory-chart", "memory-chart.png")):
+    for key, shot in ((f"{_NAME}-loss-curve", "loss-curve.png"), (f"{_NAME}-memory-chart", "memory-chart.png")):
         url = f"{root}/artifacts/artifact/{latest[key].id}"
         dom = _rendered(profile, url, "data:image/png;base64,")
         assert re.search(r'<img [^>]*src="data:image/png;base64,', dom), f"{key}: no image in the page"
@@ -211,8 +223,9 @@ def test_flow_run_page_shows_progress_charts_and_gguf_verification(server, shots
     # to Logs while the run loads, the V2 UI keeps it. Its Logs tab has the step lines.
     listing_url = f"{root}/v2/runs/flow-run/{run_id}?tab=Artifacts"
     listing = _rendered(profile, listing_url, "memory-chart")
-    for key in ("run-report", "memory-report", "memory-chart", f"{_NAME}-loss-curve", f"{_NAME}-training"):
-        assert key in listing, f"{key} is not listed on the flow-run page"
+    for key in ("run-report", "memory-report", *keyed):
+        assert listing.count(f">{key}<") == 1, f"{key} is listed {listing.count(f'>{key}<')} times on the flow-run page"
+    assert "finished in" in listing  # the progress card's text
     _screenshot(profile, listing_url, shots / "flow-run-artifacts.png", 1400)
     _screenshot(profile, page, shots / "flow-run-logs.png", 2400)
 
@@ -244,5 +257,6 @@ def test_run_form_renders_every_field(server, shots, tmp_path):
     _screenshot(profile, url, shots / "run-form.png", 4000)
     for label in ("Target Modules", "Max Steps", "Report To", "Gradient Checkpointing", "License"):
         assert label in dom, f"{label} is not on the form"
-    assert "is a const" not in dom and "Property is type" not in dom
+    assert "is a const" not in dom and "is not of type" not in dom
+    assert dom.count("Property is type") == 1  # only the optional Push section's "Off" choice
     assert "builtin:tiny-llama, builtin:tiny-mistral" in dom  # help text with its names intact

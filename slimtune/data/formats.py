@@ -2,8 +2,9 @@
 
 Labels are the input ids with -100 wherever no loss is wanted. With completion-only loss, only the
 assistant turns (chat) or the completion (prompt/completion) are targets; the assistant spans come
-from the chat template's `{% generation %}` markers when it has them, and otherwise from rendering
-each conversation prefix (which needs a template whose renderings of prefixes are prefixes).
+from the chat template's `{% generation %}` markers when it has them (the template decides what is
+trained, reasoning included), and otherwise from finding each assistant text in one rendering of the
+whole conversation (`chat_mask`: the text, its end-of-turn token, and its reasoning block if asked).
 
 The first token of every example is never a target: alone it has nothing to be predicted from, and in
 a packed row it would be predicted from the previous example's last token.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+from slimtune.data.chat_mask import ChatMaskError, assistant_mask
 from slimtune.spec import DataSpec
 
 IGNORE_INDEX = -100
@@ -114,6 +116,11 @@ def _messages(record: dict, field: str) -> list[dict[str, str]]:
                 raise FieldError(f"{field}[{i}].{key}", "missing; every message needs role and content")
             if not isinstance(message[key], str):
                 raise FieldError(f"{field}[{i}].{key}", f"expected a string, got {type(message[key]).__name__}")
+        reasoning = message.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise FieldError(
+                f"{field}[{i}].reasoning_content", f"expected a string or null, got {type(reasoning).__name__}"
+            )
         if message["role"] not in ROLES:
             raise FieldError(
                 f"{field}[{i}].role",
@@ -145,36 +152,7 @@ def _render_messages(messages: list[dict], tokenizer, data: DataSpec) -> tuple[l
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
-    return _mask_by_prefixes(messages, tokenizer, data.messages_field)
-
-
-def _mask_by_prefixes(messages: list[dict], tokenizer, field: str) -> tuple[list[int], list[bool]]:
-    """Assistant spans from renderings of conversation prefixes, for templates without generation tags."""
-
-    def ids_of(msgs: list[dict], prompt: bool) -> list[int]:
-        return list(
-            tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, add_generation_prompt=prompt)[
-                "input_ids"
-            ]
-        )
-
-    ids = ids_of(messages, False)
-    mask = [False] * len(ids)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        through = ids_of(messages[: i + 1], False)
-        start, end = len(ids_of(messages[:i], True)), len(through)
-        if through != ids[:end] or start > end:
-            raise FieldError(
-                field,
-                "the chat template renders conversation prefixes differently from the "
-                "whole conversation, so assistant tokens cannot be found; use a template with "
-                "{% generation %} markers or set data.completion_only_loss: false",
-            )
-        # Separators the template writes after the end-of-turn token (ChatML's "\n") are not the reply.
-        eos = tokenizer.eos_token_id
-        if eos in ids[start:end]:
-            end = start + len(ids[start:end]) - ids[start:end][::-1].index(eos)
-        mask[start:end] = [True] * (end - start)
-    return ids, mask
+    try:
+        return assistant_mask(messages, tokenizer, data.train_reasoning)
+    except ChatMaskError as e:
+        raise FieldError(data.messages_field, str(e)) from None

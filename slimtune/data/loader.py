@@ -11,6 +11,7 @@ import random
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
+from slimtune.bounded import clip
 from slimtune.data.formats import IGNORE_INDEX, FieldError, Format, detect_format, render
 from slimtune.data.packing import Example
 from slimtune.data.records import DataError, iter_records
@@ -77,7 +78,7 @@ def load_examples(data: DataSpec, tokenizer) -> Examples:
                 fmt = detect_format(raw.value, data)
             ids, labels = render(raw.value, fmt, data, tokenizer)
         except (FieldError, _Malformed) as e:
-            message = f"{raw.where}: {e}"
+            message = f"{raw.where}: {clip(str(e), 500)}"  # a field error can quote a record of any size
             if data.on_bad_record == "error":
                 raise DataError(f"{message} (or set data.on_bad_record: skip to skip and count such records)") from None
             counts.skipped_malformed += 1

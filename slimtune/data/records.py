@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slimtune.bounded import MAX_DEPTH, NestingError, json_depth_problem, loads_json
+
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_BOM = "\ufeff"  # Windows editors start UTF-8 files with it; JSON parsers refuse it, so it is dropped
 
 
 class DataError(ValueError):
@@ -67,22 +72,47 @@ def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
                 f"({line[e.start : e.start + 1]!r}); re-save the file as UTF-8",
             )
             continue
+        text = text.removeprefix(_BOM) if number == 1 else text
         if not text.strip():
             continue  # blank lines (a trailing newline, spacing) are not records
         try:
-            yield RawRecord(where, json.loads(text))
+            value = loads_json(text)
+        except NestingError as e:
+            yield RawRecord(where, problem=f"field (record): {e}")
+            continue
         except json.JSONDecodeError as e:
             yield RawRecord(
                 where,
                 problem=f"field (record): not valid JSON ({e.msg} at column {e.colno}); "
                 "each line must be one JSON object",
             )
+            continue
+        yield RawRecord(where, value, _surrogate_problem(text, value))
+
+
+def _surrogate_problem(text: str, value: Any) -> str | None:
+    """Why a record holds a lone surrogate (a `\\ud800` escape without its pair), or None.
+
+    JSON allows such escapes but they are not characters: the tokenizer cannot encode them and failed with
+    its own error deep in the run. Only escaped text can hold them (strict UTF-8 decoding refuses encoded
+    ones), so a regex over the line finds the candidates and only those records are encoded to check.
+    """
+    if not _SURROGATE_ESCAPE.search(text):
+        return None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (
+            f"field (record): holds a lone surrogate escape (\\u{ord(e.object[e.start]):04x}), which is not a "
+            "character; fix or remove the text"
+        )
+    return None
 
 
 def _iter_json(path: Path) -> Iterator[RawRecord]:
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").removeprefix(_BOM)
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
         raise DataError(
@@ -99,16 +129,24 @@ def _iter_json(path: Path) -> Iterator[RawRecord]:
             "records ([{...}, ...]); convert the file to such a list or to JSONL"
         )
     pos = _skip_space(text, pos + 1)
+    line, counted = 1, 0  # counted incrementally: counting from 0 for each record is quadratic in the file
     while pos < len(text) and text[pos] != "]":
-        line = text.count("\n", 0, pos) + 1
+        line, counted = line + text.count("\n", counted, pos), pos
         try:
+            start = pos
             value, pos = decoder.raw_decode(text, pos)
+        except RecursionError:  # the C scanner counts levels against the recursion limit (~1,000)
+            raise DataError(
+                f"{path}:{line}: field (record): nested deeper than {MAX_DEPTH} levels; flatten it"
+            ) from None
         except json.JSONDecodeError as e:
             # Past a syntax error the rest of the list cannot be split into records: stop here.
             raise DataError(
                 f"{path}:{e.lineno}: field (record): not valid JSON ({e.msg} at column {e.colno}); fix the file"
             ) from None
-        yield RawRecord(f"{path}:{line}", value)
+        too_deep = json_depth_problem(value)
+        problem = f"field (record): {too_deep}" if too_deep else _surrogate_problem(text[start:pos], value)
+        yield RawRecord(f"{path}:{line}", value, problem)
         pos = _skip_space(text, pos)
         if pos < len(text) and text[pos] == ",":
             pos = _skip_space(text, pos + 1)

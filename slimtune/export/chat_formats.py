@@ -1,13 +1,19 @@
-"""The chat formats an Ollama Modelfile can reproduce: ChatML, Llama-3, Gemma, Mistral and Phi-3.
+"""The chat formats an Ollama Modelfile can reproduce: ChatML (and Qwen3.5's thinking variant), Llama-3,
+Llama-3.1 (its knowledge-cutoff system block), Gemma, Gemma-4, Mistral, Mistral-Tekken (v7), Mistral-Nemo, Phi-3,
+Granite, SmolLM3 and DeepSeek-R1 (the distills).
 
 Each format is written twice: as a Python reference (what the model's Hugging Face chat template must
 render for it to be recognised) and as the Go template Ollama evaluates. A model's template is
 recognised by rendering a probe chat through transformers' own renderer and comparing the text with the
-reference, so a TEMPLATE is only written where it reproduces the training format exactly.
+reference, so a TEMPLATE is only written where it reproduces the training format exactly. Go templates
+cannot trim text or search it, so what a HF template does with surrounding whitespace (Llama 3 `| trim`)
+or with flags in the text (SmolLM3's /no_think, reasoning split off at `</think>`) is not reproduced;
+the probes and tests use text those steps leave unchanged.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -61,6 +67,89 @@ def _phi3(messages: Messages, eos: str) -> str:
     return body + "<|assistant|>\n"
 
 
+def _chatml_think(messages: Messages, eos: str) -> str:
+    return _chatml(messages, eos) + "<think>\n"
+
+
+def _gemma4(messages: Messages, eos: str) -> str:
+    role = {"assistant": "model"}
+    body = "".join(f"<|turn>{role.get(m['role'], m['role'])}\n{m['content']}<turn|>\n" for m in messages)
+    return body + "<|turn>model\n<|channel>thought\n<channel|>"
+
+
+def _tekken(messages: Messages, eos: str) -> str:
+    wrap = {"system": "[SYSTEM_PROMPT]{}[/SYSTEM_PROMPT]", "user": "[INST]{}[/INST]", "assistant": "{}" + eos}
+    return "".join(wrap[m["role"]].format(m["content"]) for m in messages)
+
+
+def _split_system(messages: Messages) -> tuple[str | None, Messages]:
+    """(the leading system message's text or None, the other messages)."""
+    if messages and messages[0]["role"] == "system":
+        return messages[0]["content"], messages[1:]
+    return None, messages
+
+
+def _mistral_nemo(messages: Messages, eos: str) -> str:
+    """Mistral-Nemo (v3 Tekken): no system turn; the system prompt opens the last user message."""
+    system, rest = _split_system(messages)
+    out = []
+    for i, m in enumerate(rest):
+        if m["role"] == "user":
+            last = system is not None and i == len(rest) - 1
+            out.append(f"[INST]{system}\n\n{m['content']}[/INST]" if last else f"[INST]{m['content']}[/INST]")
+        else:
+            out.append(m["content"] + eos)
+    return "".join(out)
+
+
+def _granite(messages: Messages, eos: str) -> str:
+    body = "".join(f"<|start_of_role|>{m['role']}<|end_of_role|>{m['content']}<|end_of_text|>\n" for m in messages)
+    return body + "<|start_of_role|>assistant<|end_of_role|>"
+
+
+_SMOLLM3_HEAD = (
+    "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nReasoning Mode: /think\n\n"
+    "## Custom Instructions\n\n"
+)
+
+
+def _smollm3(messages: Messages, eos: str) -> str:
+    """SmolLM3 in its default /think mode; a system prompt that says /think or /no_think (which the HF
+    template strips and obeys) is beyond a Go template, so such prompts render differently in Ollama."""
+    system, rest = _split_system(messages)
+    return _SMOLLM3_HEAD + (system or "") + "\n\n<|im_end|>\n" + _chatml(rest, eos)
+
+
+def _deepseek_r1(messages: Messages, eos: str) -> str:
+    turn = {"system": "{}", "user": "<\uff5cUser\uff5c>{}", "assistant": "<\uff5cAssistant\uff5c>{}" + eos}
+    return "".join(turn[m["role"]].format(m["content"]) for m in messages) + "<\uff5cAssistant\uff5c><think>\n"
+
+
+_LLAMA31_DATE = re.compile(r"Cutting Knowledge Date: December 2023\nToday Date: ([^\n{}]*)\n\n")
+
+
+def _llama31(date: str) -> ChatFormat:
+    """Llama 3.1/3.2/3.3: every prompt opens with a system block that carries the knowledge cutoff and a date
+    (3.1 and 3.3 write 26 Jul 2024; 3.2 writes the day it renders, so the TEMPLATE keeps the export's date)."""
+    head = (
+        f"<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: {date}\n\n"
+    )
+
+    def render(messages: Messages, eos: str) -> str:
+        system, rest = _split_system(messages)
+        return head + (system or "") + "<|eot_id|>" + _llama3(rest, eos)
+
+    return ChatFormat(
+        "Llama-3.1",
+        render,
+        head + "{{ .System }}<|eot_id|>"
+        '{{- range .Messages }}{{ if ne .Role "system" }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n'
+        "{{ .Content }}<|eot_id|>{{ end }}{{ end }}<|start_header_id|>assistant<|end_header_id|>\n\n",
+        ("EOS", "<|eot_id|>"),
+        system=True,
+    )
+
+
 FORMATS = (
     ChatFormat(
         "ChatML",
@@ -100,7 +189,69 @@ FORMATS = (
         ("EOS", "<|end|>"),
         system=True,
     ),
+    ChatFormat(
+        "ChatML-thinking",
+        _chatml_think,
+        "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
+        "<think>\n",
+        ("EOS", "<|im_end|>"),
+        system=True,
+    ),
+    ChatFormat(
+        "Gemma-4",
+        _gemma4,
+        '{{- range .Messages }}<|turn>{{ if eq .Role "assistant" }}model{{ else }}{{ .Role }}{{ end }}\n'
+        "{{ .Content }}<turn|>\n{{ end }}<|turn>model\n<|channel>thought\n<channel|>",
+        ("EOS", "<turn|>"),
+        system=True,
+    ),
+    ChatFormat(
+        "Mistral-Tekken",
+        _tekken,
+        '{{- range .Messages }}{{ if eq .Role "system" }}[SYSTEM_PROMPT]{{ .Content }}[/SYSTEM_PROMPT]'
+        '{{ else if eq .Role "user" }}[INST]{{ .Content }}[/INST]'
+        '{{ else if eq .Role "assistant" }}{{ .Content }}EOS{{ end }}{{ end }}',
+        ("EOS", "[INST]"),
+        system=True,
+    ),
+    ChatFormat(
+        "Mistral-Nemo",
+        _mistral_nemo,
+        "{{- range $i, $_ := .Messages }}{{ $last := eq (len (slice $.Messages $i)) 1 }}"
+        '{{ if eq .Role "user" }}[INST]{{ if and $.System $last }}{{ $.System }}\n\n{{ end }}{{ .Content }}[/INST]'
+        '{{ else if eq .Role "assistant" }}{{ .Content }}EOS{{ end }}{{ end }}',
+        ("EOS", "[INST]"),
+        system=True,
+    ),
+    ChatFormat(
+        "Granite",
+        _granite,
+        "{{- range .Messages }}<|start_of_role|>{{ .Role }}<|end_of_role|>{{ .Content }}<|end_of_text|>\n{{ end }}"
+        "<|start_of_role|>assistant<|end_of_role|>",
+        ("EOS", "<|end_of_text|>"),
+        system=True,
+    ),
+    ChatFormat(
+        "SmolLM3",
+        _smollm3,
+        _SMOLLM3_HEAD + "{{ .System }}\n\n<|im_end|>\n"
+        '{{ range .Messages }}{{ if ne .Role "system" }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}'
+        "{{ end }}<|im_start|>assistant\n",
+        ("EOS", "<|im_end|>"),
+        system=True,
+    ),
+    ChatFormat(
+        "DeepSeek-R1",
+        _deepseek_r1,
+        '{{ .System }}{{ range .Messages }}{{ if eq .Role "user" }}<\uff5cUser\uff5c>{{ .Content }}'
+        '{{ else if eq .Role "assistant" }}<\uff5cAssistant\uff5c>{{ .Content }}EOS{{ end }}{{ end }}'
+        "<\uff5cAssistant\uff5c><think>\n",
+        ("EOS",),
+        system=True,
+    ),
 )
+# Formats that depend on what the template renders (Llama 3.x's date), named here for messages.
+FORMAT_NAMES = (*(f.name for f in FORMATS), "Llama-3.1")
 # A probe with a system turn, two user turns and one assistant turn covers every branch these templates have.
 PROBE = (
     {"role": "system", "content": "SYS-0"},
@@ -117,7 +268,8 @@ def recognise(
     if not chat_template:
         return None, None
     eos = eos_token or ""
-    for fmt in FORMATS:
+    dated = _LLAMA31_DATE.search(render_hf(chat_template, list(PROBE), bos_token, eos_token) or "")
+    for fmt in (*FORMATS, *([_llama31(dated.group(1))] if dated else [])):
         probe = list(PROBE if fmt.system else PROBE[1:])
         if render_hf(chat_template, probe, bos_token, eos_token) != fmt.render(probe, eos):
             continue

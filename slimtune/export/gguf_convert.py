@@ -59,7 +59,13 @@ class _Planned:
 
 
 def convert_hf_to_gguf(
-    model_dir: Path, out_path: Path, out_type: str = "f16", *, split_max_bytes: int | None = None
+    model_dir: Path,
+    out_path: Path,
+    out_type: str = "f16",
+    *,
+    split_max_bytes: int | None = None,
+    name: str | None = None,
+    tokenizer_as_is: bool = False,
 ) -> list[Path]:
     """Convert the HF checkpoint in `model_dir` to GGUF at `out_path` and return the written file(s).
 
@@ -69,6 +75,10 @@ def convert_hf_to_gguf(
             (llama.cpp's gguf-split naming, which llama.cpp needs to find the other shards).
         out_type: f32, f16, bf16, q8_0, q4_0 or q5_0; k-quants come from `quantize_gguf` on an f16 file.
         split_max_bytes: start a new shard before tensor data would exceed this many bytes.
+        name: `general.name`, which llama.cpp and Ollama display (the flow passes the run's name; the merged
+            folder is always called "merged"); default: the folder name.
+        tokenizer_as_is: write the closest llama.cpp tokenizer where no exact one exists
+            (`export.gguf_tokenizer: as_is`) instead of raising UnsupportedTokenizerError.
 
     Raises:
         ValueError: unknown out_type, unsupported architecture, rope type or tensor name.
@@ -102,8 +112,8 @@ def convert_hf_to_gguf(
     try:
         plan = list(_plan_tensors(model_dir, config, family, default_qtype))
         n_vocab = next(p.shape[0] for p in plan if p.name == "token_embd.weight")
-        _add_hparams(writer, config, family, _model_name(model_dir), file_type, n_vocab)
-        add_tokenizer(writer, model_dir, n_vocab)
+        _add_hparams(writer, config, family, _model_name(name or model_dir.name), file_type, n_vocab)
+        add_tokenizer(writer, model_dir, n_vocab, strict=not tokenizer_as_is)
         need = 0
         for p in plan:
             block, block_bytes = gguf.GGML_QUANT_SIZES[p.qtype]
@@ -313,13 +323,13 @@ def _longrope_attention_factor(scaling: dict[str, Any], config: dict[str, Any]) 
     return math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1.0 else 1.0
 
 
-def _model_name(model_dir: Path) -> str:
-    """`general.name`: the folder name, without "phi3"/"phi-3". llama.cpp (0.3.36, llama-vocab.cpp) applies its
+def _model_name(name: str) -> str:
+    """`general.name`: `name` without "phi3"/"phi-3". llama.cpp (0.3.36, llama-vocab.cpp) applies its
     Phi-3 rules to any model whose name contains them: every special token strips the whitespace after it
     (RSTRIP), and loading fails ("unordered_map::at") unless <unk>, <s>, </s> and <|endoftext|> all exist.
     The converter only writes tokenizers whose added tokens strip nothing (`_tokens_and_types` refuses the
     others), so with those rules llama.cpp would tokenize differently after every special token."""
-    return re.sub(r"(phi)-?3", r"\1", model_dir.name, flags=re.IGNORECASE)  # llama.cpp lower-cases the name
+    return re.sub(r"(phi)-?3", r"\1", name, flags=re.IGNORECASE)  # llama.cpp lower-cases the name
 
 
 def _add_hparams(

@@ -1,24 +1,28 @@
-"""The tokenizer half of a GGUF: byte-level BPE vocab, merges, token types, special ids, chat template.
+"""The tokenizer half of a GGUF, written the way llama.cpp's own converter does, and checked before training.
 
 llama.cpp does not run a tokenizer's pre-tokenizer from `tokenizer.json`; it picks a hard-coded regex
 by the name in `tokenizer.ggml.pre`, and rejects names it does not know. So the converter must name a
 pre-tokenizer whose regex and merge rule are *identical* to the HF tokenizer's, or the GGUF tokenizes
-differently with no error anywhere. We recognise three shapes exactly and refuse everything else:
+differently with no error anywhere. Three ways in, in this order (llama.cpp as vendored by llama-cpp-python
+0.3.36, read in its convert_hf_to_gguf and llama-vocab.cpp):
 
-- `ByteLevel(use_regex=True)` alone (GPT-2 style, our tiny tokenizer) -> "gpt-2": llama.cpp's GPT2
-  pre-type uses the GPT-2 regex
-  `'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)`
-  and applies merges (no ignore_merges); "default" would add three extra splits (punctuation,
-  digits, 3-digit groups), so it is NOT equivalent. Both were read in llama.cpp's llama-vocab.cpp
-  (as vendored by llama-cpp-python 0.3.36) and the ids are checked against HF in the tests.
-- `Split(<Llama-3 regex>) + ByteLevel(use_regex=False)` with ignore_merges -> "llama-bpe".
-- `Split(<Qwen2 regex>) + ByteLevel(use_regex=False)` -> "qwen2".
+- SentencePiece: `tokenizer.model` when the folder has one (Llama 2, Mistral v0.x, Phi-3, the Gemmas ship it):
+  its pieces, scores and types as they are, which is exactly llama.cpp's "llama" (SPM) vocabulary
+  (`slimtune.export.sentencepiece_model` reads the proto without protobuf).
+- SentencePiece-style tokenizer.json only (a BPE model with `byte_fallback` over "▁"-marked text): the same SPM
+  vocabulary, with one score per token derived from the merge ranks (`_spm_scores`); Gemma 4's is llama.cpp's
+  "gemma4" BPE vocabulary, which keeps the merges.
+- Byte-level BPE: one of these exact tokenizer.json shapes, else the pre-tokenizer is identified as llama.cpp's
+  converter does, by hashing the ids of a probe text (`gguf_pre_hashes`):
+  - `ByteLevel(use_regex=True)` alone (GPT-2 style, our tiny tokenizer) -> "gpt-2": llama.cpp's GPT2 pre-type
+    uses the GPT-2 regex `'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)`
+    and applies merges (no ignore_merges); "default" would add three extra splits (punctuation, digits,
+    3-digit groups), so it is NOT equivalent.
+  - `Split(<Llama-3 regex>) + ByteLevel(use_regex=False)` -> "llama-bpe" with ignore_merges, else "smaug-bpe".
+  - `Split(<Qwen2 regex>) + ByteLevel(use_regex=False)` -> "qwen2"; with Qwen3.5's regex -> "qwen35".
 
-SentencePiece-style tokenizers (Llama 2, Mistral v0.1, Phi-3-mini, the Gemmas) reach us as a BPE model
-with `byte_fallback` over "▁"-marked text; llama.cpp runs them as its "llama" (SPM) vocabulary, which
-has no merges list: it merges the adjacent pair whose joined text is the vocab token of highest score,
-and spells leftover characters as `<0xNN>` byte tokens. `spm_space_prefix` and `_spm_scores` say when
-that tokenizes exactly like HF's BPE, and refuse the rest.
+`gguf_tokenizer_check` runs the same code on the tokenizer files alone, before any model loads, and (with
+llama-cpp-python installed) compares llama.cpp's ids on the written vocabulary with the HF tokenizer's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+
+from slimtune.export.gguf_pre_hashes import PROBE_TEXT, known_pre_tokenizer
+from slimtune.export.sentencepiece_model import read_sentencepiece_model
 
 _GPT2 = "gpt-2"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
@@ -42,15 +49,46 @@ _QWEN2_REGEX = (
     "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
 )
 # regex -> (llama.cpp pre-tokenizer name, the ignore_merges value llama.cpp hard-codes for it)
-_SPLIT_PRE = {_LLAMA3_REGEX: ("llama-bpe", True), _QWEN2_REGEX: ("qwen2", False)}
+_QWEN35_REGEX = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}"
+    "| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+# regex -> {ignore_merges: the llama.cpp pre-tokenizer with that regex and that hard-coded ignore_merges}
+_SPLIT_PRE = {
+    _LLAMA3_REGEX: {True: "llama-bpe", False: "smaug-bpe"},
+    _QWEN2_REGEX: {False: "qwen2"},
+    _QWEN35_REGEX: {False: "qwen35"},
+}
+# pre-tokenizers for which llama.cpp (llama-vocab.cpp) hard-codes ignore_merges: a whole word in the vocab is one
+# token even where the merges would spell it differently
+_IGNORES_MERGES = {"llama-bpe", "falcon3", "falcon-h1", "pixtral", "tekken", "lfm2", "jais", "glm4", "chatglm-bpe"}
+# the same regex with and without ignore_merges in llama.cpp
+_IGNORE_MERGES_TWINS = {"smaug-bpe": "llama-bpe", "llama-bpe": "smaug-bpe"}
+# Texts whose ids llama.cpp and HF must agree on (besides llama.cpp's probe text): prose, digits, code, bytes.
+# None starts with a space: that one SentencePiece difference is documented in `spm_space_prefix`.
+CHECK_TEXTS = [
+    PROBE_TEXT,
+    "The capital of France is Paris.",
+    "Spell the word 'garden' backwards: nedrag!",
+    "What is 12 plus 30? It is 42, or 0x2A; 3.14159 and 1,000,000.",
+    "def f(x):\n    return x ** 2  # squared\n\n\nprint(f(7))",
+    "\n\nstarts with newlines,   runs of   spaces\tand tabs",
+    "naïve café, Ünïcödé, 中文字符, 日本語のテキスト, 한국어, Ελληνικά, עברית, العربية",
+    "emoji🙂inside 🚀🦙 and a zero\u200bwidth space",
+]
 
 
 class UnsupportedTokenizerError(ValueError):
     """The tokenizer cannot be written so that llama.cpp tokenizes exactly like Hugging Face."""
 
 
-def pre_tokenizer_name(tokenizer_json: dict[str, Any], source: str = "tokenizer.json") -> str:
+def pre_tokenizer_name(tokenizer_json: dict[str, Any], source: str = "tokenizer.json", hf_tokenizer=None) -> str:
     """Return the llama.cpp `tokenizer.ggml.pre` name equivalent to this HF tokenizer, or raise.
+
+    A tokenizer.json of one of the exact shapes in this module's docstring gets its name: the same regex and merge
+    rule, whatever text comes. Any other is identified as llama.cpp's converter does, by hashing `hf_tokenizer`'s
+    ids for llama.cpp's probe text (`gguf_pre_hashes`). The shape goes first because the probe text cannot tell
+    every pair apart: Qwen2's regex and Qwen3.5's (which adds combining marks to words) give the same ids there.
 
     Raises:
         UnsupportedTokenizerError: naming what differs, when no llama.cpp pre-tokenizer is identical.
@@ -61,6 +99,36 @@ def pre_tokenizer_name(tokenizer_json: dict[str, Any], source: str = "tokenizer.
             f"{source}: model type {model.get('type')!r} is not supported; the GGUF converter writes "
             "byte-level BPE tokenizers only (SentencePiece/Unigram/WordPiece are not converted)"
         )
+    try:
+        return _shape_pre_tokenizer(tokenizer_json, source)
+    except UnsupportedTokenizerError:
+        known = _hashed_pre_tokenizer(model, hf_tokenizer, source) if hf_tokenizer is not None else None
+        if known is None:
+            raise
+        return known
+
+
+def _hashed_pre_tokenizer(model: dict[str, Any], hf_tokenizer, source: str) -> str | None:
+    known = known_pre_tokenizer(hf_tokenizer)
+    if known is not None:
+        # The probe text has no word whose merges spell it differently from its vocab entry, so the hash cannot
+        # see ignore_merges: today's Llama 3 tokenizer.json (BOS added, ignore_merges true) hashes as llama.cpp's
+        # "smaug-bpe", the same regex without ignore_merges. The flag picks between such twins.
+        ignores = bool(model.get("ignore_merges"))
+        if (known in _IGNORES_MERGES) != ignores:
+            twin = _IGNORE_MERGES_TWINS.get(known)
+            if twin is None:
+                raise UnsupportedTokenizerError(
+                    f"{source}: the probe text identifies llama.cpp's {known!r} pre-tokenizer, which "
+                    f"{'ignores' if known in _IGNORES_MERGES else 'applies'} merges for words in the vocab, but this "
+                    f"tokenizer.json has model.ignore_merges={ignores}; llama.cpp knows no such variant"
+                )
+            known = twin
+    return known
+
+
+def _shape_pre_tokenizer(tokenizer_json: dict[str, Any], source: str) -> str:
+    model = tokenizer_json.get("model") or {}
     for field in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(field):
             raise UnsupportedTokenizerError(
@@ -88,7 +156,7 @@ def pre_tokenizer_name(tokenizer_json: dict[str, Any], source: str = "tokenizer.
         raise UnsupportedTokenizerError(
             f"{source}: pre-tokenizer {json.dumps(pre)} (ignore_merges={ignore_merges}, normalizer="
             f"{json.dumps(normalizer)}) matches none that llama.cpp implements identically (GPT-2 ByteLevel "
-            "regex, Llama-3 or Qwen2 split regex); refusing to write a GGUF that would tokenize differently"
+            "regex, Llama-3, Qwen2 or Qwen3.5 split regex); refusing to write a GGUF that would tokenize differently"
         )
     return name
 
@@ -115,8 +183,7 @@ def _match_pre(steps: list[dict[str, Any]], ignore_merges: bool, normalizer: dic
             or byte_level.get("add_prefix_space")
         ):
             return None
-        name, llama_ignores_merges = _SPLIT_PRE[regex]
-        return name if ignore_merges == llama_ignores_merges else None
+        return _SPLIT_PRE[regex].get(ignore_merges)
     return None
 
 
@@ -127,15 +194,16 @@ def spm_space_prefix(tokenizer_json: dict[str, Any], source: str = "tokenizer.js
     every special token when `add_space_prefix` is set, and never splits the text into words. These HF
     shapes do the same: Llama 2's tokenizer.json normalizers `Prepend("▁") + Replace(" ", "▁")` (prefix),
     Gemma's `Replace(" ", "▁")` (no prefix; its `Split(" ")` pre-tokenizer then finds no space), and
-    `Metaspace(split=False)` with prepend_scheme "never", or "always" (what transformers 5 builds for Llama 2,
-    Mistral and Phi-3 with legacy=True). One documented difference remains with "always": where a text (or
-    the text after a special token) already starts with a space, Metaspace adds no second "▁" while
-    llama.cpp, like sentencepiece itself, does (" hi" -> HF "▁hi", llama.cpp "▁", "▁hi"); as with NFC above,
-    it is accepted because refusing would refuse every Llama 2 style model, and it is tested.
+    `Metaspace(split=False)` with prepend_scheme "never", "always" (what transformers 5 builds for Llama 2,
+    Mistral and Phi-3 with legacy=True) or "first" (legacy=False, and what it rebuilds from a SentencePiece
+    GGUF). Two documented differences remain, both where sentencepiece itself (and so llama.cpp, and the
+    `tokenizer.model` route) differs from transformers' Metaspace: where a text already starts with a space,
+    Metaspace adds no second "▁" while llama.cpp does (" hi" -> HF "▁hi", llama.cpp "▁", "▁hi"); and with
+    "first", text right after a special token gets no "▁" from HF but one from llama.cpp. Refusing them would
+    refuse every Llama 2 style model; both are tested.
 
     Raises:
-        UnsupportedTokenizerError: naming what differs, e.g. prepend_scheme "first" (transformers' legacy=False),
-            which prefixes the start of the text only, where llama.cpp prefixes after every special token too.
+        UnsupportedTokenizerError: naming what differs (a normalizer or word splitting llama.cpp does not do).
     """
     model = tokenizer_json.get("model") or {}
     if model.get("type") != "BPE" or not model.get("byte_fallback"):
@@ -156,14 +224,13 @@ def spm_space_prefix(tokenizer_json: dict[str, Any], source: str = "tokenizer.js
         return False
     if normalizer is None and pre and pre.get("type") == "Metaspace" and pre.get("replacement") == _SPACE:
         scheme = pre.get("prepend_scheme", "always")
-        if not pre.get("split") and scheme in ("always", "never"):
-            return scheme == "always"
+        if not pre.get("split") and scheme in ("always", "first", "never"):
+            return scheme != "never"
     raise UnsupportedTokenizerError(
         f"{source}: normalizer {json.dumps(normalizer)} with pre-tokenizer {json.dumps(pre)} is not how llama.cpp's "
         "SPM tokenizer prepares text (spaces to '▁', one '▁' in front and after each special token or none, no "
-        "word splitting); a Metaspace with prepend_scheme 'first' (transformers' legacy=False) differs after "
-        'special tokens: set "legacy": true in tokenizer_config.json (sentencepiece\'s own behaviour; '
-        "transformers 5.23's save_pretrained drops it), or keep the model in safetensors"
+        "word splitting); save the model's tokenizer.model beside it (written as it is), or keep the model in "
+        "safetensors"
     )
 
 
@@ -171,24 +238,15 @@ def _spm_scores(tj: dict[str, Any], tokens: list[str], types: list[int], source:
     """Scores under which llama.cpp's SPM merging picks the same pairs as HF's BPE merges, or raise.
 
     HF merges the adjacent pair of lowest merge rank; llama.cpp merges the adjacent pair whose joined text is
-    the token of highest score. They agree when (1) every way to split a normal token into two tokens is a
-    merge (llama.cpp can join any two pieces that form a token), and (2) each token's merges are adjacent in
-    rank order, so that score = -(rank of the token's first merge) orders all merges as the ranks do. That is
-    how transformers builds the merges of a SentencePiece model (`generate_merges`), and what this checks.
-    Scores of tokens no merge produces (characters, bytes, specials) are never read by llama.cpp's merging.
+    the token of highest score, the leftmost among equal scores (as sentencepiece does). transformers builds a
+    SentencePiece model's merges (`generate_merges`) by sorting every split of every token by the token's score,
+    then by the pieces' lengths, so a token's merges are adjacent in rank order unless tokens share a score;
+    there they interleave. `_rank_scores` inverts that: score = -(first rank of the token's merges), one score
+    for each group of tokens whose merges interleave (equal scores in the source). What must hold besides is that
+    every way to split a normal token into two tokens is a merge: llama.cpp can join any two pieces that form a
+    token. Scores of tokens no merge produces (characters, bytes, specials) are never read by llama.cpp's merging.
     """
-    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in tj["model"]["merges"]]
-    score: dict[str, float] = {}
-    previous = None
-    for rank, (left, right) in enumerate(merges):
-        target = left + right
-        if target in score and target != previous:
-            raise UnsupportedTokenizerError(
-                f"{source}: the merges of {target!r} are not adjacent in rank order (merge {rank}: {left!r} + "
-                f"{right!r}); llama.cpp's SPM vocabulary orders merges by one score per token"
-            )
-        score.setdefault(target, -float(rank))
-        previous = target
+    merges = _merge_pairs(tj)
     merge_set = set(merges)
     normal = {t for t, ty in zip(tokens, types) if ty == gguf.TokenType.NORMAL}
     for token in normal:
@@ -199,23 +257,53 @@ def _spm_scores(tj: dict[str, Any], tokens: list[str], types: list[int], source:
                     f"{source}: {pair[0]!r} + {pair[1]!r} forms the token {token!r} but is not a merge; llama.cpp's "
                     "SPM tokenizer would join them where HF does not (the merges were not built from the vocab)"
                 )
+    return _rank_scores(merges, tokens)
+
+
+def _merge_pairs(tj: dict[str, Any]) -> list[tuple[str, str]]:
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in tj["model"]["merges"]]
+
+
+def _rank_scores(merges: list[tuple[str, str]], tokens: list[str]) -> list[float]:
+    """-(first merge rank) per token, shared by tokens whose merge rank ranges overlap (see `_spm_scores`)."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for rank, (left, right) in enumerate(merges):
+        first.setdefault(left + right, rank)
+        last[left + right] = rank
+    score: dict[str, float] = {}
+    group_start, group_end = 0, -1
+    for token in sorted(first, key=first.__getitem__):
+        if first[token] > group_end:  # no earlier token's merges reach past here: a new score
+            group_start = first[token]
+        group_end = max(group_end, last[token])
+        score[token] = -float(group_start)
     return [score.get(t, 0.0) for t in tokens]
 
 
-def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> None:
+def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int, *, strict: bool = True) -> list[str]:
     """Write the tokenizer of `model_dir` into `writer`, padded to the model's `n_vocab` embedding rows.
 
     The tokenizer is read as `AutoTokenizer` loads it, not from tokenizer.json on disk: transformers 5
     may rebuild the pipeline per model type (a Qwen2 checkpoint gets Qwen2Tokenizer's split regex and
     NFC even when tokenizer.json says plain ByteLevel), and the GGUF must match what training used.
 
+    Args:
+        strict: refuse anything llama.cpp would tokenize differently; False (`export.gguf_tokenizer: as_is`)
+            writes the closest llama.cpp vocabulary instead and returns why it may differ.
+
+    Returns:
+        The reasons llama.cpp may tokenize differently (empty when the conversion is exact).
+
     Raises:
-        UnsupportedTokenizerError: when the tokenizer cannot be reproduced by llama.cpp.
+        UnsupportedTokenizerError: when the tokenizer cannot be reproduced by llama.cpp (with strict), or cannot be
+            written at all (a vocab larger than the embedding, holes in the ids, missing byte tokens).
     """
     from transformers import AutoTokenizer
 
+    model_dir = Path(model_dir)
     hf_tok = AutoTokenizer.from_pretrained(model_dir)
-    source = f"{Path(model_dir)} ({type(hf_tok).__name__})"
+    source = f"{model_dir} ({type(hf_tok).__name__})"
     backend = getattr(hf_tok, "backend_tokenizer", None)
     if backend is None:
         raise UnsupportedTokenizerError(
@@ -223,17 +311,49 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> Non
             "tokenizers are not converted, save a tokenizer.json"
         )
     tj = json.loads(backend.to_str())
-    if (tj.get("model") or {}).get("byte_fallback"):
-        add_space_prefix = spm_space_prefix(tj, source)
+    inexact: list[str] = []
+
+    def differs(error: UnsupportedTokenizerError) -> None:
+        if strict:
+            raise error
+        inexact.append(str(error))
+
+    if (tj.get("model") or {}).get("byte_fallback") and (model_dir / "tokenizer.model").is_file():
+        _add_sentencepiece(writer, model_dir / "tokenizer.model", tj, n_vocab, source, differs)
+    elif (tj.get("model") or {}).get("byte_fallback") and _is_gemma4(model_dir, hf_tok):
+        # llama.cpp's "gemma4" vocabulary is HF's BPE itself: merges by rank over raw UTF-8 with "▁" for spaces,
+        # split at newline runs only, byte fallback; its pre-tokenizer is implied by the model name
         tokens, types = _tokens_and_types(tj, n_vocab, source)
+        writer.add_tokenizer_model("gemma4")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([-1000.0] * len(tokens))  # unread by BPE merging; llama.cpp's converter writes these
+        writer.add_token_types(types)
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+        writer.add_add_space_prefix(False)
+    elif (tj.get("model") or {}).get("byte_fallback"):
+        try:
+            add_space_prefix = spm_space_prefix(tj, source)
+        except UnsupportedTokenizerError as e:
+            differs(e)
+            add_space_prefix = True
+        tokens, types = _tokens_and_types(tj, n_vocab, source)
+        try:
+            scores = _spm_scores(tj, tokens, types, source)
+        except UnsupportedTokenizerError as e:
+            differs(e)
+            scores = _rank_scores(_merge_pairs(tj), tokens)
         writer.add_tokenizer_model("llama")  # llama.cpp's name for SentencePiece-style vocabularies
         writer.add_tokenizer_pre("default")  # read by no SPM code path; written as llama.cpp's converter does
         writer.add_token_list(tokens)
-        writer.add_token_scores(_spm_scores(tj, tokens, types, source))
+        writer.add_token_scores(scores)
         writer.add_token_types(types)
         writer.add_add_space_prefix(add_space_prefix)  # llama.cpp's SPM default is True: always explicit
     else:
-        pre = pre_tokenizer_name(tj, source)
+        try:
+            pre = pre_tokenizer_name(tj, source, hf_tok)
+        except UnsupportedTokenizerError as e:
+            differs(e)
+            pre = "default"
         tokens, types = _tokens_and_types(tj, n_vocab, source)
         writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
         writer.add_tokenizer_pre(pre)
@@ -254,6 +374,78 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> Non
     writer.add_add_eos_token(add_eos)
     if isinstance(hf_tok.chat_template, str):
         writer.add_chat_template(hf_tok.chat_template)
+    return inexact
+
+
+def _is_gemma4(model_dir: Path, hf_tok) -> bool:
+    """Gemma 4's tokenizer: by config.json's model_type, or by llama.cpp's probe-text hash."""
+    config = model_dir / "config.json"
+    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type", "") if config.is_file() else ""
+    return model_type.startswith("gemma4") or known_pre_tokenizer(hf_tok) == "gemma4"
+
+
+def _add_sentencepiece(
+    writer: gguf.GGUFWriter, spm_file: Path, tj: dict[str, Any], n_vocab: int, source: str, differs
+) -> None:
+    """llama.cpp's SPM vocabulary from `tokenizer.model` as it is, with tokenizer.json's added tokens after it
+    (the ids training used); what llama.cpp's converter does with the same files."""
+    try:
+        spm = read_sentencepiece_model(spm_file)
+    except ValueError as e:
+        raise UnsupportedTokenizerError(str(e)) from e
+    if spm.model_type != "bpe":
+        raise UnsupportedTokenizerError(
+            f"{spm_file}: a SentencePiece {spm.model_type} model; llama.cpp's SPM vocabulary merges by score like "
+            "SentencePiece BPE, a unigram model would need its UGM vocabulary, which is not written"
+        )
+    if spm.normalizer != "identity" or spm.remove_extra_whitespaces or spm.treat_whitespace_as_suffix:
+        differs(
+            UnsupportedTokenizerError(
+                f"{spm_file}: normalizer {spm.normalizer!r} (remove_extra_whitespaces={spm.remove_extra_whitespaces}, "
+                f"treat_whitespace_as_suffix={spm.treat_whitespace_as_suffix}); llama.cpp's SPM tokenizer applies no "
+                "normalization and keeps every space"
+            )
+        )
+    vocab = tj["model"]["vocab"]
+    added_ids = {a["id"] for a in tj.get("added_tokens", [])}
+    moved = [(i, p) for i, p in enumerate(spm.pieces) if vocab.get(p, i) != i]
+    moved += [(i, p) for p, i in vocab.items() if i >= len(spm.pieces) and i not in added_ids][:1]
+    if moved:
+        i, piece = moved[0]
+        differs(
+            UnsupportedTokenizerError(
+                f"{spm_file} and tokenizer.json disagree on the id of {piece!r} (or one lacks it: id {i}); the "
+                "model was trained on tokenizer.json's ids"
+            )
+        )
+    tokens, scores, types = list(spm.pieces), list(spm.scores), list(spm.types)
+    for added in tj.get("added_tokens", []):
+        token_id, content = added["id"], added["content"]
+        if token_id < len(tokens) and tokens[token_id] == content:
+            continue  # sentencepiece's own <unk>/<s>/</s>: its type stands
+        if added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
+            differs(
+                UnsupportedTokenizerError(
+                    f"{source}: added token {content!r} strips spaces or matches single words; llama.cpp does not"
+                )
+            )
+        tokens += [f"[PAD{i}]" for i in range(len(tokens), token_id + 1)]
+        scores += [-1000.0] * (len(tokens) - len(scores))
+        types += [int(gguf.TokenType.UNUSED)] * (len(tokens) - len(types))
+        tokens[token_id], scores[token_id] = content, -1000.0
+        types[token_id] = int(gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED)
+    if len(tokens) > n_vocab:
+        raise UnsupportedTokenizerError(
+            f"{source}: the tokenizer has {len(tokens)} tokens but the model's embedding only {n_vocab} rows; "
+            "resize_token_embeddings first"
+        )
+    pad = n_vocab - len(tokens)  # embedding rows past the tokenizer: unused placeholders, one per row
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), n_vocab)])
+    writer.add_token_scores(scores + [-1000.0] * pad)
+    writer.add_token_types(types + [int(gguf.TokenType.UNUSED)] * pad)
+    writer.add_add_space_prefix(spm.add_dummy_prefix)
 
 
 def _tokens_and_types(tj: dict[str, Any], n_vocab: int, source: str) -> tuple[list[str], list[int]]:

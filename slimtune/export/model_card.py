@@ -17,7 +17,7 @@ from pathlib import Path
 from huggingface_hub import ModelCard, ModelCardData
 
 from slimtune import atomic
-from slimtune.export.chat_formats import FORMATS, recognise
+from slimtune.export.chat_formats import FORMAT_NAMES, recognise
 
 _HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _BASE_TAGS = ("gguf", "llama.cpp", "ollama", "lora", "qlora", "slimtune")
@@ -60,9 +60,14 @@ def _hub_datasets(datasets: Sequence[str]) -> list[str] | None:
 
 
 def _training_sections(
-    datasets: Sequence[str], lora: Mapping[str, object] | None, metrics: Mapping[str, object] | None
+    datasets: Sequence[str],
+    lora: Mapping[str, object] | None,
+    metrics: Mapping[str, object] | None,
+    hyperparameters: Mapping[str, object] | None,
 ) -> list[str]:
-    """The dataset, LoRA and metrics sections both cards carry."""
+    """The dataset, LoRA, hyperparameter and metrics sections both cards carry. The hyperparameters are a
+    "- name: value" list under the names Trainer's and Axolotl's cards use, so readers (and scripts) that know
+    those cards find learning_rate, train_batch_size, ... where they expect them."""
     return [
         "## Dataset",
         "",
@@ -71,6 +76,10 @@ def _training_sections(
         "## LoRA configuration",
         "",
         *_table(("Setting", "Value"), (lora or {}).items()),
+        "",
+        "## Training hyperparameters",
+        "",
+        *([f"- {key}: {_cell(value)}" for key, value in (hyperparameters or {}).items()] or ["Not recorded."]),
         "",
         "## Training metrics",
         "",
@@ -96,6 +105,7 @@ def render_model_card(
     modelfile_name: str = "Modelfile",
     tags: Sequence[str] = (),
     name: str | None = None,
+    hyperparameters: Mapping[str, object] | None = None,
 ) -> str:
     """The README.md for a folder (or Hub repo) of GGUF files: metadata, what was trained, how to run it.
 
@@ -110,6 +120,7 @@ def render_model_card(
         lora: LoRA settings to list (r, alpha, dropout, target modules, ...).
         metrics: Training results to list (final loss, tokens/s, peak memory, ...).
         license_id: license id as the Hub knows it (e.g. "apache-2.0"), if known.
+        hyperparameters: Training settings as run (learning_rate, train_batch_size, ...), in list order.
         ollama_name: Model name in the Ollama commands; defaults to the repo (or run) name in lower case.
         modelfile_name: Name of the Modelfile next to the card.
         tags: Extra Hub tags.
@@ -140,7 +151,7 @@ def render_model_card(
         "",
         _base_text(base_model),
         "",
-        *_training_sections(datasets, lora, metrics),
+        *_training_sections(datasets, lora, metrics, hyperparameters),
         "## Files",
         "",
         *_table(("File", "Quantization", "Size", "Bytes"), rows),
@@ -175,6 +186,7 @@ def render_adapter_card(
     license_id: str | None = None,
     name: str = "adapter",
     tags: Sequence[str] = (),
+    hyperparameters: Mapping[str, object] | None = None,
 ) -> str:
     """The README.md of the LoRA adapter folder (instead of peft's empty template): a peft card whose
     `base_model` is the Hub id, so the Hub lists the adapter under its base."""
@@ -192,7 +204,7 @@ def render_adapter_card(
         "",
         f"A QLoRA adapter for {_base_text(base_model)}, trained with slimtune.",
         "",
-        *_training_sections(datasets, lora, metrics),
+        *_training_sections(datasets, lora, metrics, hyperparameters),
         "## Usage",
         "",
         "```python",
@@ -250,9 +262,11 @@ def render_modelfile(
         lines += [f"# Chat format: {fmt.name}", f'TEMPLATE """{fmt.template_for(eos_token or "")}"""', ""]
     elif chat_template:
         lines += [
-            f"# The chat template matches none of {', '.join(f.name for f in FORMATS)}, so no TEMPLATE was",
-            "# derived; Ollama falls back to the template it reads from the GGUF, if any. Write one by hand:",
-            f"# {_MODELFILE_DOCS}",
+            f"# The chat template matches none of {', '.join(FORMAT_NAMES)}: no Go template reproduces it,",
+            "# so no TEMPLATE is written rather than a wrong one. The GGUF carries it as tokenizer.chat_template,",
+            f"# which llama.cpp applies as is: llama-cli -m {gguf_filename} --jinja (or llama-server ... --jinja).",
+            "# Ollama uses its own template where it recognises that one (see: ollama show NAME --template);",
+            f"# otherwise write one by hand: {_MODELFILE_DOCS}",
             "",
         ]
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 
 from prefect import flow
@@ -11,6 +12,7 @@ from slimtune import atomic, registry
 from slimtune.charts import publish_memory_chart
 from slimtune.evaluate import held_out_metrics
 from slimtune.flows.crash import crash_downshift
+from slimtune.flows.progress import finish_run, start_stage
 from slimtune.flows.stages import (
     attach_lora_task,
     cleanup_task,
@@ -50,6 +52,7 @@ def _flow_run_name() -> str:
 )
 def finetune(spec: PipelineSpec) -> dict:
     """Fine-tune `spec.model` with QLoRA on `spec.data`, merge, and export GGUF; returns the run summary."""
+    began = time.perf_counter()
     spec = recheck_paths(spec)
     plan = resolve_plan(spec)  # model folder, config, family, device, dtype: once, then passed to every task
     examples = prepare_data(spec, plan.model_dir)  # bad data fails here, before any model is loaded
@@ -63,16 +66,22 @@ def finetune(spec: PipelineSpec) -> dict:
         # one run per run dir, then its GPUs: the limit counts GPUs, a 2-GPU run holds 2 slots
         with run_lock(spec.run_dir()), gpu_concurrency(gpu_slot(), gpus=spec.train.num_gpus):
             atomic.write_text(spec.run_dir() / "spec.effective.yaml", effective_yaml(spec))  # what ran
+            start_stage(spec, plan, "load_4bit")
             summary["load_4bit"] = loaded = load(spec, plan)
+            start_stage(spec, plan, "attach_lora")
             summary["attach_lora"] = lora = attach(spec, plan, loaded["handle"])
+            start_stage(spec, plan, "packed_sft")
             summary["packed_sft"] = trained = train(spec, plan, lora["handle"], lora["checkpointing_handle"], examples)
             summary["evaluation"] = held_out_metrics(trained)
+            start_stage(spec, plan, "cleanup")
             summary["cleanup"] = clean(spec, plan, baseline)
             if spec.merge.enabled:
+                start_stage(spec, plan, "dequant_merge")
                 summary["dequant_merge"] = merged = merge(spec, plan, trained["adapter_dir"])
                 if spec.eval.prompts:
                     summary["evaluation"]["prompts"] = eval_prompts_task(spec, plan, merged["out_dir"])
                 if spec.export.gguf or spec.export.push:
+                    start_stage(spec, plan, "gguf_convert_and_push")
                     summary["gguf_convert_and_push"] = export(
                         spec, plan, merged["out_dir"], trained["adapter_dir"], _card_facts(summary)
                     )
@@ -80,9 +89,10 @@ def finetune(spec: PipelineSpec) -> dict:
         registry.release_all()  # also on failure: a failed run must not pin a model in this process
         records = load_records(spec.run_dir() / "memory")
         publish_memory_report(records)
-        publish_memory_chart(records)
+        publish_memory_chart(records, spec.name)
     summary["memory"] = [asdict(r) for r in records]
     summary["report"] = str(write_run_report(spec.run_dir(), summary))
+    finish_run(spec, began)
     return summary
 
 
@@ -92,4 +102,6 @@ def _card_facts(summary: dict) -> dict:
     train = {k: trained.get(k) for k in ("steps", "eval_loss_before", "eval_loss_after", "tokens_seen")}
     # the run's training time, not this call's: a re-run that resumes the finished checkpoint trains 0 s
     train["seconds"] = trained.get("training_seconds", trained.get("seconds"))
-    return {"spec": summary["spec"], "train": train}
+    # what training ran with, for the card's hyperparameters ("auto" and downshifts change the spec's batch)
+    ran = {k: trained.get(k) for k in ("micro_batch_size", "gradient_accumulation_steps", "optimizer", "precision")}
+    return {"spec": summary["spec"], "train": train, "trained_with": ran}

@@ -54,7 +54,7 @@ def _save_record(spec: PipelineSpec):
     def save(record: GuardRecord) -> None:
         publish_task_report(record)
         atomic.write_json(spec.run_dir() / "memory" / f"{record.stage}.json", asdict(record))
-        publish_memory_chart(load_records(spec.run_dir() / "memory"))  # the chart grows stage by stage
+        publish_memory_chart(load_records(spec.run_dir() / "memory"), spec.name)  # it grows stage by stage
 
     return save
 

@@ -38,7 +38,8 @@ def publish_task_report(record: GuardRecord) -> UUID | None:
     return create_table_artifact(
         table=[memory_row(record)],
         key=artifact_key(record.stage),
-        description=f"Memory of {record.stage}, attempt {record.attempts}: {record.outcome}",
+        # the key names the stage; a card on the flow-run page shows one line of ~40 characters
+        description=f"attempt {record.attempts}: {record.outcome}",
     )
 
 

@@ -111,6 +111,17 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
     )
     torch.manual_seed(spec.train.seed)  # LoRA A is randomly initialised: same spec, same adapter
     peft_model = get_peft_model(model, config)
+    try:
+        return _configure(spec, handle, peft_model, device)
+    except BaseException:
+        # peft injected the LoRA layers into the registered model in place: a retry (out of memory) must get the
+        # base model back, or its get_peft_model stacks a second adapter ("multiple adapters" warning)
+        peft_model.unload()
+        raise
+
+
+def _configure(spec: PipelineSpec, handle: str, peft_model, device: torch.device) -> LoraResult:
+    """Place the LoRA weights, set up checkpointing and kernels, and register the peft model under `handle`."""
     if spec.train.sharded:
         # peft puts each LoRA weight beside its base weight, which an FSDP rank's load left on the host
         # (load_4bit.loads_on_host): onto the rank's device with the rest, where the trainer looks for it.

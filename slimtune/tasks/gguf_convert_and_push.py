@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from slimtune import atomic
 from slimtune.export import (
@@ -21,7 +23,9 @@ from slimtune.export import (
     verify_gguf,
 )
 from slimtune.export.gguf_adapter import ADAPTER_GGUF_SUFFIX, convert_adapter_to_gguf, verify_adapter_gguf
+from slimtune.export.gguf_tokenizer_check import check_tokenizer_export
 from slimtune.export.model_card import base_license
+from slimtune.merge.nf4 import TRAINING_NF4
 from slimtune.run_plan import RunPlan, plan_for
 from slimtune.spec import PipelineSpec
 
@@ -43,6 +47,7 @@ class ExportResult:
     verification: dict[str, dict] = field(default_factory=dict)
     pushed: dict | None = None
     adapter: dict | None = None  # the LoRA adapter GGUF (export.adapter_gguf) and its check against merged
+    tokenizer: dict | None = None  # export.gguf_tokenizer as_is: why the ids may differ, measured in llama.cpp
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -52,16 +57,21 @@ def _convert(spec: PipelineSpec, merged_dir: Path, out_dir: Path) -> list[Path]:
     """Write one GGUF per requested type; k-quants are made by llama.cpp from an f16 intermediate."""
     split = int(spec.export.split_max_size_gb * 1e9) if spec.export.split_max_size_gb else None
     written: list[Path] = []
+    as_is = spec.export.gguf_tokenizer == "as_is"
     f16_intermediate: Path | None = None
     (out_dir / f".{spec.name}-f16-intermediate.gguf").unlink(missing_ok=True)  # left by a killed run
     for method in spec.export.gguf:
         target = out_dir / f"{spec.name}-{method}.gguf"
         if not needs_llama_cpp(method):
-            written += convert_hf_to_gguf(merged_dir, target, method, split_max_bytes=split)
+            written += convert_hf_to_gguf(
+                merged_dir, target, method, split_max_bytes=split, name=spec.name, tokenizer_as_is=as_is
+            )
             continue
         if f16_intermediate is None:
             f16_intermediate = out_dir / f".{spec.name}-f16-intermediate.gguf"
-            convert_hf_to_gguf(merged_dir, f16_intermediate, "f16")
+            convert_hf_to_gguf(  # the k-quants keep the name
+                merged_dir, f16_intermediate, "f16", name=spec.name, tokenizer_as_is=as_is
+            )
         written.append(quantize_gguf(f16_intermediate, target, method))
     if f16_intermediate is not None:
         f16_intermediate.unlink(missing_ok=True)
@@ -69,6 +79,39 @@ def _convert(spec: PipelineSpec, merged_dir: Path, out_dir: Path) -> list[Path]:
 
 
 LORA_FACTS = ("r", "alpha", "dropout", "target_modules", "use_rslora")
+
+
+def card_hyperparameters(spec: PipelineSpec, trained: Mapping[str, Any], compute_dtype: str) -> dict[str, object]:
+    """The training hyperparameters for the cards, named as Trainer's cards name them. The batch figures,
+    optimizer and precision are the ones training ran with (`trained`: the train report's fields), which an
+    "auto" micro-batch or an out-of-memory downshift makes differ from the spec's."""
+    train = spec.train
+    micro_batch = trained.get("micro_batch_size") or train.micro_batch_size
+    accumulation = trained.get("gradient_accumulation_steps") or train.gradient_accumulation_steps
+    length = {"training_steps": train.max_steps} if train.max_steps else {"num_epochs": train.epochs}
+    total = micro_batch * accumulation * train.num_gpus if isinstance(micro_batch, int) else None
+    quant = TRAINING_NF4
+    return {
+        "learning_rate": train.learning_rate,
+        "lr_scheduler_type": train.lr_scheduler,
+        "warmup_steps": train.warmup_steps,
+        **length,
+        "steps_trained": trained.get("steps"),
+        "train_batch_size": micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "total_train_batch_size": total,
+        "num_devices": train.num_gpus,
+        "optimizer": trained.get("optimizer") or train.optimizer,
+        "weight_decay": train.weight_decay,
+        "max_grad_norm": train.max_grad_norm,
+        "precision": trained.get("precision") or train.precision,
+        "seed": train.seed,
+        "sequence_len": spec.data.max_seq_length,
+        "sample_packing": spec.data.packing,
+        "gradient_checkpointing": spec.lora.gradient_checkpointing,
+        "quantization": f"4-bit {quant.quant_type}{', double quant' if quant.compress_statistics else ''}, "
+        f"compute {compute_dtype}",
+    }
 
 
 def card_license(spec: PipelineSpec, model_dir: str) -> str | None:
@@ -95,6 +138,9 @@ def _card(spec: PipelineSpec, plan: RunPlan, merged_dir: Path, files: list[Path]
         lora={k: summary["spec"]["lora"][k] for k in LORA_FACTS},
         metrics=summary.get("train"),
         license_id=card_license(spec, plan.model_dir),
+        hyperparameters=card_hyperparameters(
+            spec, {**(summary.get("train") or {}), **(summary.get("trained_with") or {})}, plan.compute_dtype
+        ),
     )
     eos, bos = tok_cfg.get("eos_token"), tok_cfg.get("bos_token")
     modelfile = render_modelfile(
@@ -152,6 +198,9 @@ def gguf_convert_and_push(
     out_dir.mkdir(parents=True, exist_ok=True)
     files = _convert(spec, merged_dir, out_dir)
     result = ExportResult(files={f.name: f.stat().st_size for f in files})
+    if spec.export.gguf_tokenizer == "as_is" and files:
+        result.tokenizer = check_tokenizer_export(merged_dir, strict=False).to_dict()
+        log.info("GGUF tokenizer written as is: %s", result.tokenizer)
     if spec.export.verify:
         for f in files:
             if not llama_cpp_available():

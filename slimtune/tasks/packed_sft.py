@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from slimtune.memory.checkpointing import enable_checkpointing
 from slimtune.run_plan import RunPlan, plan_for
 from slimtune.spec import PipelineSpec
 from slimtune.train import TrainReport, train_adapter
+from slimtune.train.trackers import tracker_params
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ def packed_sft(
             if name in initial:
                 param.copy_(initial[name])
     tokenizer, examples = registry.get(examples_handle)
+    plan = plan_for(spec, plan)
     report = train_adapter(
         model,
         tokenizer,
@@ -83,14 +86,16 @@ def packed_sft(
         gradient_accumulation_steps=gradient_accumulation_steps,
         callbacks=callbacks,
         cuda_graphs=spec.train.cuda_graphs if cuda_graphs is None else cuda_graphs,
+        tracker_params=tracker_params(spec, plan.compute_dtype),
+        describe=lambda report: describe_adapter(spec, report, plan),
     )
-    describe_adapter(spec, report, plan_for(spec, plan))
     return report
 
 
-def describe_adapter(spec: PipelineSpec, report: TrainReport, plan: RunPlan) -> None:
-    """The adapter's own model card, and its base named by Hub id rather than the local cache path peft saw."""
-    from slimtune.tasks.gguf_convert_and_push import LORA_FACTS, card_license
+def describe_adapter(spec: PipelineSpec, report: TrainReport, plan: RunPlan) -> list[Path]:
+    """The adapter's own model card, and its base named by Hub id rather than the local cache path peft saw;
+    returns the card's path."""
+    from slimtune.tasks.gguf_convert_and_push import LORA_FACTS, card_hyperparameters, card_license
 
     write_adapter_card(
         Path(report.adapter_dir),
@@ -105,4 +110,6 @@ def describe_adapter(spec: PipelineSpec, report: TrainReport, plan: RunPlan) -> 
         },
         license_id=card_license(spec, plan.model_dir),
         name=spec.name,
+        hyperparameters=card_hyperparameters(spec, asdict(report), plan.compute_dtype),
     )
+    return [Path(report.adapter_dir) / "README.md"]

@@ -1,14 +1,14 @@
-"""Trainer callbacks: a per-step log line, a Prefect progress artifact and a live loss curve.
+"""Trainer callbacks: a per-step log line, the run's Prefect progress artifact and a live loss curve.
 
 The terminal progress bar is the Trainer's own (tqdm); these add what it lacks: loss, learning rate,
 tokens/s, padding waste and memory in the log (through Prefect's run logger inside a task, so the line
-reaches the UI, the worker output and the CLI), and progress with ETA and a loss curve in the Prefect UI.
+reaches the UI, the worker output and the CLI), and progress with ETA and a loss curve in the Prefect UI,
+each one artifact per run updated in place (`slimtune.run_artifacts`).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 
 import psutil
@@ -16,6 +16,8 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from slimtune.charts import loss_curve_png, publish_image
+from slimtune.run_artifacts import artifact_key, in_run, publish_progress
+from slimtune.train.terminal import STEP_RECORD
 
 log = logging.getLogger("slimtune.train")
 _GIB = 1024**3
@@ -23,7 +25,7 @@ _GIB = 1024**3
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
     """Prefect's run logger inside a flow or task run (its lines go to the API and the console), else ours."""
-    if not _in_prefect_run():
+    if not in_run():
         return log
     from prefect.logging import get_run_logger
 
@@ -58,6 +60,7 @@ class LogCallback(TrainerCallback):
                 logs.get("tokens_per_s", 0.0),
                 100 * logs.get("padding_waste", 0.0),
                 memory_text(),
+                extra={STEP_RECORD: True},  # on a terminal the bar shows it instead (`TerminalBar`)
             )
         elif "eval_loss" in logs:
             run_logger().info("step %d/%d eval loss %.4f", state.global_step, state.max_steps, logs["eval_loss"])
@@ -67,21 +70,31 @@ class PrefectProgressCallback(TrainerCallback):
     """Progress (step, ETA, loss, tokens/s) and a loss curve in the Prefect UI; does nothing outside a run.
 
     Args:
-        key: progress artifact key (made lowercase letters, digits and dashes); None = unkeyed.
+        key: the run's progress artifact key (made lowercase letters, digits and dashes); None = unkeyed.
         curve_key: loss-curve artifact key, likewise; None = unkeyed.
-        updates: at most this many progress updates over the run, evaluations aside (each is an API call;
+        updates: at most this many progress updates over training, evaluations aside (each is an API call;
             100 = every 1%).
-        chart_every_s: re-draw the loss curve at most this often: each re-draw stores a new artifact version
-            of ~23 KB (measured for 24 and 2,000 steps), so 30 s keeps a 10-hour run to ~1,200 versions, 28 MB.
+        chart_every_s: re-draw the loss curve at most this often; each re-draw replaces the run's one loss-curve
+            artifact (a PNG of ~23 KB, measured for 24 and 2,000 steps).
+        title: the first line of the progress text (the flow passes "stage 3 of 6: packed_sft").
+        span: the percent of the run's progress bar at the start and at the end of training.
     """
 
     def __init__(
-        self, key: str | None = None, updates: int = 100, chart_every_s: float = 30.0, curve_key: str | None = None
+        self,
+        key: str | None = None,
+        updates: int = 100,
+        chart_every_s: float = 30.0,
+        curve_key: str | None = None,
+        title: str = "training",
+        span: tuple[float, float] = (0.0, 100.0),
     ):
-        self.key = _artifact_key(key)
-        self.curve_key = _artifact_key(curve_key)
+        self.key = artifact_key(key) if key else None
+        self.curve_key = artifact_key(curve_key) if curve_key else None
         self.updates = updates
         self.chart_every_s = chart_every_s
+        self.title = title
+        self.span = span
         self.artifact_id = None
         self._last = -1.0
         self._began: float | None = None
@@ -94,17 +107,15 @@ class PrefectProgressCallback(TrainerCallback):
         self._due = False  # an update found due at a step's end, waiting for that step's log
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
-        if not _in_prefect_run():
+        if not in_run():
             return
-        from prefect.artifacts import create_progress_artifact
-
         self._began = None  # set at the first step's end: the eval before training is not a step's time
         self._first_step = state.global_step  # a resumed run's ETA counts only the steps it trains
         self._train = [(e["step"], e["loss"]) for e in state.log_history if "loss" in e]
         self._eval = [(e["step"], e["eval_loss"]) for e in state.log_history if "eval_loss" in e]
         self._last, self._due = self._percent(state), False
-        self.artifact_id = create_progress_artifact(
-            progress=self._last, key=self.key, description=self.describe(state, time.perf_counter())
+        self.artifact_id = publish_progress(
+            self.key, self._run_percent(state), self.describe(state, time.perf_counter())
         )
 
     def on_log(
@@ -140,11 +151,10 @@ class PrefectProgressCallback(TrainerCallback):
                 self._update(state)
 
     def _update(self, state: TrainerState) -> None:
-        from prefect.artifacts import update_progress_artifact
-
         self._last = self._percent(state)
-        update_progress_artifact(
-            self.artifact_id, progress=self._last, description=self.describe(state, time.perf_counter())
+        described = self.describe(state, time.perf_counter())
+        self.artifact_id = publish_progress(self.key, self._run_percent(state), described, self.artifact_id) or (
+            self.artifact_id  # a failed update (logged) keeps the artifact for the next one
         )
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
@@ -167,40 +177,42 @@ class PrefectProgressCallback(TrainerCallback):
         publish_image(self.curve_key, "Loss curve", png, "Train and eval loss per optimizer step")
 
     def describe(self, state: TrainerState, now: float) -> str:
-        """'training: step 15/30 · ETA 1m 20s · loss 2.3140 · 4,210 tok/s' (what is known so far)."""
-        parts = [f"training: step {state.global_step}/{state.max_steps}"]
+        """Short paragraphs, what is known so far (the flow-run page's card cuts each one at its width):
+
+        stage 3 of 6: packed_sft
+
+        step 15/30 · ETA 1m 20s
+
+        loss 2.3140 · 4,210 tok/s
+        """
+        lines = [self.title]
+        step = f"step {state.global_step}/{state.max_steps}"
         done = state.global_step - self._first_step
         if self._began is not None and done > 0:
-            left = (now - self._began) / done * (state.max_steps - state.global_step)
-            parts.append(f"ETA {_duration(left)}")
-        if self._loss is not None:
-            parts.append(f"loss {self._loss:.4f}")
+            step += f" · ETA {duration((now - self._began) / done * (state.max_steps - state.global_step))}"
+        lines.append(step)
+        figures = [f"loss {self._loss:.4f}"] if self._loss is not None else []
         if self._tokens_per_s:
-            parts.append(f"{self._tokens_per_s:,.0f} tok/s")
-        return " · ".join(parts)
+            figures.append(f"{self._tokens_per_s:,.0f} tok/s")
+        if figures:
+            lines.append(" · ".join(figures))
+        return "\n\n".join(lines)
 
     @staticmethod
     def _percent(state: TrainerState) -> float:
         return 100.0 * state.global_step / max(1, state.max_steps)
 
+    def _run_percent(self, state: TrainerState) -> float:
+        """Training's percent placed in its share of the run's bar."""
+        low, high = self.span
+        return low + (high - low) * self._percent(state) / 100.0
 
-def _artifact_key(name: str | None) -> str | None:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") if name else None
 
-
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """ "1h 5m", "2m 3s", "42s"."""
     seconds = int(round(seconds))
     if seconds >= 3600:
         return f"{seconds // 3600}h {seconds % 3600 // 60}m"
     if seconds >= 60:
         return f"{seconds // 60}m {seconds % 60}s"
     return f"{seconds}s"
-
-
-def _in_prefect_run() -> bool:
-    try:
-        from prefect.context import FlowRunContext, TaskRunContext
-    except ImportError:
-        return False
-    return TaskRunContext.get() is not None or FlowRunContext.get() is not None

@@ -22,7 +22,7 @@ import os
 import shutil
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field
 from datetime import UTC
 from pathlib import Path
@@ -31,18 +31,22 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 from transformers.integrations import MLflowCallback
 from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from slimtune import atomic
-from slimtune.charts import LOSS_CURVE_KEY
+from slimtune.charts import LOSS_CURVE_KIND
 from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
 from slimtune.evaluate import perplexity
 from slimtune.memory.checkpointing import graphed_backward, parameters_from_lists
+from slimtune.run_artifacts import progress_key, run_key, stage_span, stage_title
 from slimtune.spec import DataSpec, TrainSpec
 from slimtune.train import checkpoints
 from slimtune.train.attention import prefer_varlen
 from slimtune.train.callbacks import LogCallback, PrefectProgressCallback, run_logger
 from slimtune.train.fp32_rope import keep_rope_fp32
 from slimtune.train.options import choose_batching, model_device, resolve_optimizer, resolve_precision, scheduler_name
+from slimtune.train.terminal import TerminalBar
+from slimtune.train.trackers import MLflowRun
 from slimtune.train.walks import walks_from_lists
 
 log = logging.getLogger(__name__)
@@ -255,6 +259,8 @@ def train_adapter(
     gradient_accumulation_steps: int,
     callbacks: list[TrainerCallback] | None = None,
     cuda_graphs: bool | None = None,
+    tracker_params: Mapping[str, str] | None = None,
+    describe: Callable[[TrainReport], Sequence[Path]] | None = None,
 ) -> TrainReport:
     """Train the LoRA adapter of `model` on `examples`; resume from the latest complete checkpoint.
 
@@ -264,6 +270,9 @@ def train_adapter(
         gradient_accumulation_steps: micro-batches per optimizer step (raised with a lower micro-batch).
         callbacks: extra Trainer callbacks (e.g. the memory guard's).
         cuda_graphs: capture each checkpointed layer's backward (`graphed_backward`); default `train.cuda_graphs`.
+        tracker_params: the spec as params for the trackers (`trackers.tracker_params`).
+        describe: writes files about the finished adapter (its card) from the report; MLflow gets them and the
+            report as artifacts.
 
     Returns:
         The report, also written to run_dir/train_report.json; the adapter is in run_dir/adapter.
@@ -315,6 +324,8 @@ def train_adapter(
         if args.process_index == 0:
             atomic.write_json(run_dir / REPORT_FILE, asdict(report))
         run_logger().info("nothing left to train: reusing the adapter and results of run %s", report.reused_from)
+        if describe is not None:
+            describe(report)
         return report
     seconds_before = checkpoints.read_state(resume_from).get("train_seconds", 0.0) if resume_from else 0.0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -335,7 +346,12 @@ def train_adapter(
             data_collator=collator,
             callbacks=[
                 LogCallback(),
-                PrefectProgressCallback(key=f"{run_dir.name}-training", curve_key=f"{run_dir.name}-{LOSS_CURVE_KEY}"),
+                PrefectProgressCallback(
+                    key=progress_key(run_dir.name),
+                    curve_key=run_key(run_dir.name, LOSS_CURVE_KIND),
+                    title=stage_title("packed_sft"),
+                    span=stage_span("packed_sft"),
+                ),
                 *(callbacks or []),
             ],
             checkpoint_state={
@@ -346,6 +362,14 @@ def train_adapter(
                 "gradient_accumulation_steps": gradient_accumulation_steps,
             },
         )
+        # Trainer's bar printed every log as a raw dict beside our step line: one bar of ours instead (a terminal)
+        trainer.remove_callback(ProgressCallback)
+        trainer.remove_callback(PrinterCallback)
+        trainer.add_callback(bar := TerminalBar())
+        mlflow_run = None
+        if "mlflow" in train.report_to:  # Trainer's own callback would end the run before the final evaluation
+            trainer.remove_callback(MLflowCallback)
+            trainer.add_callback(mlflow_run := MLflowRun(tracker_params or {}, run_dir / "mlflow-artifacts"))
         # The eval before training runs inside train() (eval_on_start), after DDP has wrapped the model: an
         # evaluate() before train() marks the model prepared, and accelerate then skips the DDP wrap (ranks
         # silently diverge: verified with 2 gloo ranks, transformers 5.23 + accelerate).
@@ -362,6 +386,7 @@ def train_adapter(
             # trainable parameters, from lists (DDP and FSDP wrap modules in train()); the layers' backward as
             # CUDA graphs (DDP reduces gradients from hooks on each parameter's accumulation, which a graph skips)
             walks = contextlib.ExitStack()
+            walks.callback(bar.close)  # also when training fails: the console gets its handlers back
             if args.world_size == 1:
                 walks.enter_context(walks_from_lists(model))
                 walks.enter_context(parameters_from_lists(model))
@@ -382,9 +407,6 @@ def train_adapter(
                 if args.should_save:  # what a failed save left half-written never reaches ckpt_root
                     shutil.rmtree(ckpt_root / checkpoints.STAGING, ignore_errors=True)
         train_seconds = time.perf_counter() - began
-        # MLflow's run ended with training: a later log would start a second, implicit run, and end it
-        # (at exit) in ./mlflow.db of the working directory (seen).
-        trainer.remove_callback(MLflowCallback)
         eval_after = trainer.evaluate()["eval_loss"] if eval_rows else None
     eval_before = trainer.checkpoint_state["eval_loss_before"] if eval_before is None else eval_before
     training_seconds = trainer.training_seconds()
@@ -440,6 +462,9 @@ def train_adapter(
     report.run_id, report.finished_at = _run_identity()
     if trainer.is_world_process_zero():
         atomic.write_json(run_dir / REPORT_FILE, asdict(report))
+    described = list(describe(report)) if describe is not None else []
+    if mlflow_run is not None:
+        mlflow_run.close([run_dir / REPORT_FILE, *described])
     trainer.accelerator.wait_for_everyone()  # no rank returns before the adapter exists
     log.info("trained %d steps in %.1f s: eval loss %s -> %s", report.steps, report.seconds, eval_before, eval_after)
     return report
@@ -454,15 +479,20 @@ def _offline_trackers(report_to: list[str], run_dir: Path) -> Iterator[None]:
     wanted = {
         "tensorboard": {"TENSORBOARD_LOGGING_DIR": str(run_dir / "tensorboard")},
         # MLflow 3 refuses its file store by default (maintenance mode); SQLite is its local store now.
-        "mlflow": {"MLFLOW_TRACKING_URI": f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"},
+        "mlflow": {
+            "MLFLOW_TRACKING_URI": f"sqlite:///{(run_dir / 'mlflow.db').resolve()}",
+            "MLFLOW_EXPERIMENT_NAME": "slimtune",  # `MLflowRun` creates it with its artifacts in the run dir
+        },
         "wandb": {"WANDB_MODE": "offline", "WANDB_DIR": str(run_dir)},
     }
     added = {k: v for name in report_to for k, v in wanted[name].items() if k not in os.environ}
+    # mlflow.set_experiment (called by Trainer's setup) exports the experiment's id to the environment
+    exported = [] if "MLFLOW_EXPERIMENT_ID" in os.environ else ["MLFLOW_EXPERIMENT_ID"]
     os.environ.update(added)
     try:
         yield
     finally:
-        for key in added:
+        for key in [*added, *exported]:
             os.environ.pop(key, None)
 
 
@@ -667,7 +697,26 @@ def model_settings(model: torch.nn.Module) -> dict:
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
     if quant is not None:
         settings["quantization"] = _canonical(quant if isinstance(quant, dict) else quant.to_dict())
+    base = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if base and (weights := _weights_key(Path(base))):
+        settings["base_weights"] = weights
     return settings
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _weights_key(model_dir: Path) -> dict[str, list[int]]:
+    """{file: [bytes, mtime in ns]} of every weight file of a local base model folder (empty for a Hub id).
+
+    The folder's path alone let a re-run over weights overwritten in place (same config, another seed)
+    report "nothing left to train" and merge the old adapter into the new base. Size and mtime are read
+    in microseconds for any model size; a copy that does not keep mtimes (`cp` without -p) retrains once.
+    """
+    if not model_dir.is_dir():
+        return {}
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in _WEIGHT_SUFFIXES or p.name.endswith(".index.json"))
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
 
 
 def _settings(train: TrainSpec, data: DataSpec, effective_batch: int, mode: str, model: torch.nn.Module) -> dict:

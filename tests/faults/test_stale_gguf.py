@@ -1,0 +1,37 @@
+"""A re-run with another `export.gguf` list: `generate`/`chat` never load a GGUF the run's spec does not produce.
+
+Seen before: a re-run with a changed spec and export list left the previous run's GGUF files in `gguf/`, and
+`slimtune generate`/`chat` loaded the stale one by default (it was the most precise type there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from faultlib import spec_dict
+
+
+@pytest.mark.fault(
+    "Re-run with a changed export.gguf list",
+    stage="generate",
+    expect="the default GGUF and --gguf choose only files of this run's export.gguf; a stale one is named as such",
+)
+def test_generate_ignores_gguf_files_of_an_earlier_run(tmp_path, observe):
+    from slimtune.generate import RunDirError, pick_gguf
+
+    run_dir = tmp_path / "faults"
+    (run_dir / "gguf").mkdir(parents=True)
+    data = spec_dict(tmp_path, export={"gguf": ["q8_0"], "verify": False})
+    (run_dir / "spec.effective.yaml").write_text(yaml.safe_dump(data))
+    # the earlier run exported f16 (more precise, so the old default) and a split f32; this one q8_0
+    for name in ("faults-f16.gguf", "faults-f32-00001-of-00002.gguf", "faults-f32-00002-of-00002.gguf"):
+        (run_dir / "gguf" / name).write_bytes(b"")
+    (run_dir / "gguf" / "faults-q8_0.gguf").write_bytes(b"")
+    assert pick_gguf(run_dir).name == "faults-q8_0.gguf"
+    with pytest.raises(RunDirError, match="faults-f16.gguf is left from an earlier run") as err:
+        pick_gguf(run_dir, "f16")
+    observe(str(err.value).replace(str(tmp_path), "…"))
+
+    data["export"]["gguf"] = ["f32"]  # split files of the run's own type are its files
+    (run_dir / "spec.effective.yaml").write_text(yaml.safe_dump(data))
+    assert pick_gguf(run_dir).name == "faults-f32-00001-of-00002.gguf"

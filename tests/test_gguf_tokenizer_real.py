@@ -1,0 +1,354 @@
+"""Real tokenizers through the GGUF export: llama.cpp's ids on the exported file equal llama.cpp's reference ids.
+
+Each vocabulary is one of llama.cpp's `models/ggml-vocab-*.gguf` (`llama_cpp_assets.vocab`), turned into the files
+a Hub checkpoint has: byte-level BPE ones as a tokenizer.json with the Hub's pre-tokenizer (built here with
+`tokenizers` from the GGUF's tokens and merges; transformers' own rebuild takes 80 s per 150k vocabulary on two
+cores and drops Llama 3's ignore_merges), SentencePiece ones by transformers' rebuild from the GGUF
+(tokenizer.json only, as Phi-3's failing case was) plus, for llama-spm, the tokenizer.model a Llama 2 checkpoint
+ships. The tokenizer goes on a tiny random model of the family (one layer, hidden 64, so that a 262k vocabulary
+is 17M parameters), through the export's converter (`convert_hf_to_gguf`, f16 and q8_0), and the GGUF is loaded
+in llama.cpp with vocab_only.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+from llama_cpp_assets import vocab
+
+from slimtune.export import convert_hf_to_gguf
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+# vocabulary -> the slimtune family its model is built as (Qwen3.5 by Qwen3: slimtune has no qwen3_5 family yet,
+# and the tokenizer half of the GGUF does not depend on the architecture). Gemma 4 has its own test below.
+VOCABS = {
+    "llama-bpe": "llama",
+    "llama-spm": "llama",
+    "qwen2": "qwen2",
+    "qwen35": "qwen3",
+    "phi-3": "phi3",
+}
+# the llama.cpp vocabulary each must be written as: (tokenizer.ggml.model, tokenizer.ggml.pre)
+WRITTEN_AS = {
+    "llama-bpe": ("gpt2", "llama-bpe"),
+    "llama-spm": ("llama", "default"),
+    "qwen2": ("gpt2", "qwen2"),
+    "qwen35": ("gpt2", "qwen35"),
+    "phi-3": ("llama", "default"),
+}
+_LLAMA3 = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}"
+    "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+_QWEN2 = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}"
+    "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+_QWEN35 = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}"
+    "| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+# byte-level BPE vocabularies: (Split regex, NFC normalizer, ignore_merges, BOS added) as their Hub tokenizer.json
+_BYTE_LEVEL = {
+    "llama-bpe": (_LLAMA3, False, True, True),
+    "qwen2": (_QWEN2, True, False, False),
+    "qwen35": (_QWEN35, True, False, False),
+}
+
+
+def _gguf_vocab(path: Path) -> tuple[list[str], list[int], list[str], dict]:
+    """(tokens, token types, merges, the other tokenizer keys) of a vocab GGUF."""
+    kv = _gguf_kv(path)
+    scalars = {k: v for k, v in kv.items() if k.endswith(("_token_id", "add_bos_token"))}
+    return kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"], kv.get("tokenizer.ggml.merges", []), scalars
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def _gguf_kv(path: Path) -> dict:
+    """The key-value header of a GGUF. gguf's GGUFReader takes ~120 s on two cores for Gemma 4's 262k tokens and
+    515k merges (a numpy view per string); reading the format directly takes a few seconds."""
+    buf = path.read_bytes()
+    pos = 24  # magic, version, tensor count
+
+    def take(fmt: str):
+        nonlocal pos
+        (value,) = struct.unpack_from(fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        size = take("<Q")
+        pos += size
+        return buf[pos - size : pos].decode("utf-8")
+
+    def value(kind: int):
+        if kind == 8:
+            return string()
+        if kind == 9:
+            item, count = take("<I"), take("<Q")
+            return [value(item) for _ in range(count)]
+        return take(_SCALARS[kind])
+
+    count = struct.unpack_from("<Q", buf, 16)[0]
+    kv = {}
+    for _ in range(count):
+        key = string()
+        kv[key] = value(take("<I"))
+    return kv
+
+
+def _hf_from_tokens(tokens, types, merges, scalars, backend):
+    from tokenizers import AddedToken, processors
+    from transformers import PreTrainedTokenizerFast
+
+    control = [t for t, ty in zip(tokens, types) if ty == gguf.TokenType.CONTROL]
+    user = [t for t, ty in zip(tokens, types) if ty == gguf.TokenType.USER_DEFINED]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    bos_id = scalars.get("tokenizer.ggml.bos_token_id")
+    bos = tokens[bos_id] if bos_id is not None else None
+    if scalars.get(
+        "tokenizer.ggml.add_bos_token", bos is not None and bos_id != scalars.get("tokenizer.ggml.eos_token_id")
+    ):
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    eos_id = scalars.get("tokenizer.ggml.eos_token_id")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=bos, eos_token=tokens[eos_id] if eos_id is not None else None
+    )
+
+
+def _byte_level_tokenizer(name: str, path: Path):
+    """The Hub's tokenizer.json shape of a byte-level BPE vocabulary, from the vocab GGUF's tokens and merges."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    regex, nfc, ignore_merges, adds_bos = _BYTE_LEVEL[name]
+    tokens, types, merges, scalars = _gguf_vocab(path)
+    bpe = models.BPE(
+        {t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=ignore_merges
+    )
+    backend = Tokenizer(bpe)
+    backend.normalizer = normalizers.NFC() if nfc else None
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return _hf_from_tokens(tokens, types, merges, scalars | {"tokenizer.ggml.add_bos_token": adds_bos}, backend)
+
+
+def _gemma4_tokenizer(path: Path):
+    """Gemma 4's tokenizer.json shape: BPE with byte fallback over text whose spaces are "▁", split at newlines."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    tokens, types, merges, scalars = _gguf_vocab(path)
+    bpe = models.BPE(
+        {t: i for i, t in enumerate(tokens)},
+        [tuple(m.split(" ", 1)) for m in merges],
+        byte_fallback=True,
+        unk_token=tokens[scalars["tokenizer.ggml.unknown_token_id"]],
+        fuse_unk=True,
+    )
+    backend = Tokenizer(bpe)
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[^\\n]+|[\\n]+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return _hf_from_tokens(tokens, types, merges, scalars, backend)
+
+
+def _proto_field(number: int, wire: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | wire) + (_varint(len(payload)) + payload if wire == 2 else payload)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append(value & 0x7F | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def _write_sentencepiece_model(path: Path, gguf_path: Path) -> None:
+    """tokenizer.model (SentencePiece ModelProto) of a SentencePiece vocab GGUF: its pieces, scores and types, a
+    BPE model with byte fallback, and Llama 2's normalizer spec (identity, dummy prefix, spaces kept)."""
+    kv = _gguf_kv(gguf_path)
+    pieces, scores, types = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.scores"], kv["tokenizer.ggml.token_type"]
+    out = bytearray()
+    for piece, score, kind in zip(pieces, scores, types):
+        body = _proto_field(1, 2, piece.encode()) + _proto_field(2, 5, struct.pack("<f", score))
+        out += _proto_field(1, 2, body + _proto_field(3, 0, _varint(kind)))
+    out += _proto_field(2, 2, _proto_field(3, 0, _varint(2)) + _proto_field(35, 0, _varint(1)))
+    out += _proto_field(
+        3, 2, _proto_field(1, 2, b"identity") + _proto_field(3, 0, _varint(1)) + _proto_field(4, 0, _varint(0))
+    )
+    path.write_bytes(bytes(out))
+
+
+def _checkpoint(name: str, dest: Path) -> Path:
+    """A tiny model of the vocabulary's family with the tokenizer files its Hub checkpoint would have."""
+    from transformers import AutoTokenizer
+
+    from slimtune.tiny import build_model
+
+    path, _, _ = vocab(name)
+    if name in _BYTE_LEVEL:
+        tokenizer = _byte_level_tokenizer(name, path)
+    else:  # SentencePiece: transformers' rebuild (tokenizer.json with Metaspace or Prepend+Replace, byte fallback)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.save_pretrained(dest)
+    if name == "llama-spm":
+        _write_sentencepiece_model(dest / "tokenizer.model", path)
+    family = VOCABS[name]
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2)
+    tiny |= dict(num_key_value_heads=1, head_dim=32)
+    build_model(family, len(tokenizer), **tiny).save_pretrained(dest)
+    return dest
+
+
+@pytest.mark.parametrize("name", list(VOCABS))
+def test_exported_gguf_gives_llama_cpp_reference_ids(name, tmp_path):
+    path, texts, reference = vocab(name)
+    model_dir = _checkpoint(name, tmp_path / f"{name}-model")
+    for out_type in ("f16", "q8_0"):
+        [gguf_path] = convert_hf_to_gguf(model_dir, tmp_path / f"{name}-{out_type}.gguf", out_type)
+        written = _gguf_kv(gguf_path)
+        assert (written["tokenizer.ggml.model"], written["tokenizer.ggml.pre"]) == WRITTEN_AS[name]
+        if name == "llama-spm":  # from tokenizer.model: sentencepiece's own scores, not ones derived from merges
+            assert written["tokenizer.ggml.scores"] == _gguf_kv(path)["tokenizer.ggml.scores"]
+        llm = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
+        got = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
+        llm.close()
+        matched = sum(g == r for g, r in zip(got, reference))
+        print(f"{name} {out_type}: llama.cpp ids = reference on {matched}/{len(texts)} strings")
+        bad = [(t, g, r) for t, g, r in zip(texts, got, reference) if g != r]
+        assert not bad, (
+            f"{name} {out_type}: {len(bad)}/{len(texts)} differ, first {bad[0][0]!r}: {bad[0][1]} != {bad[0][2]}"
+        )
+
+
+def test_probe_hash_names_the_pre_tokenizer_of_an_unknown_shape():
+    """A Llama 3 tokenizer.json whose regex is spelled differently (llama.cpp's own case-insensitive rewrite) is no
+    known shape; llama.cpp's probe-text hash still names it, and ignore_merges picks llama-bpe or its twin."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from slimtune.export.gguf_pre_hashes import KNOWN_PRE_TOKENIZERS, probe_hash
+    from slimtune.export.gguf_tokenizer import UnsupportedTokenizerError, pre_tokenizer_name
+
+    path, _, _ = vocab("llama-bpe")
+    tj = json.loads(_byte_level_tokenizer("llama-bpe", path).backend_tokenizer.to_str())
+    tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = _LLAMA3.replace(
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)", "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+    )
+
+    def named(ignore_merges: bool) -> str:
+        t = tj | {"model": tj["model"] | {"ignore_merges": ignore_merges}}
+        hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(t)), bos_token="<|begin_of_text|>")
+        assert probe_hash(hf) in KNOWN_PRE_TOKENIZERS
+        return pre_tokenizer_name(t, "t", hf)
+
+    assert named(True) == "llama-bpe" and named(False) == "smaug-bpe"
+    with pytest.raises(UnsupportedTokenizerError, match="matches none"):
+        pre_tokenizer_name(tj, "t")  # without the tokenizer to hash, the shape alone decides
+
+
+def test_gemma4_vocabulary_gives_llama_cpp_reference_ids(tmp_path):
+    """Gemma 4 (262k tokens): slimtune has no gemma4 family to train yet, so the tokenizer writer runs on its own
+    (config.json's model_type picks llama.cpp's "gemma4" vocabulary) into a vocab-only GGUF, as the export and the
+    pre-training check write it."""
+    from slimtune.export.gguf_tokenizer import add_tokenizer
+
+    path, texts, reference = vocab("gemma-4")
+    model_dir = tmp_path / "gemma4"
+    tokenizer = _gemma4_tokenizer(path)
+    tokenizer.save_pretrained(model_dir)
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "gemma4_text", "vocab_size": len(tokenizer)}))
+    writer = gguf.GGUFWriter(tmp_path / "g.gguf", "gemma4")
+    assert add_tokenizer(writer, model_dir, len(tokenizer)) == []
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    assert _gguf_kv(tmp_path / "g.gguf")["tokenizer.ggml.model"] == "gemma4"
+    llm = llama_cpp.Llama(str(tmp_path / "g.gguf"), vocab_only=True, verbose=False)
+    got = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
+    llm.close()
+    print(f"gemma-4: llama.cpp ids = reference on {sum(g == r for g, r in zip(got, reference))}/{len(texts)} strings")
+    assert got == reference
+
+
+def test_validate_refuses_an_inexact_tokenizer_before_any_model_loads(tmp_path):
+    """A Llama 3 tokenizer.json that lost ignore_merges with a regex llama.cpp has no twin for: validate exits 2
+    naming the choices, in a process where no model weights exist to load (config.json only)."""
+    from slimtune.tiny import build_tokenizer
+
+    model_dir = tmp_path / "m"
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(model_dir)
+    tj = json.loads((model_dir / "tokenizer.json").read_text())
+    tj["normalizer"] = {"type": "Lowercase"}  # llama.cpp lower-cases nothing
+    (model_dir / "tokenizer.json").write_text(json.dumps(tj))
+    from slimtune.tiny import build_model
+
+    build_model(
+        "llama", len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1
+    ).config.save_pretrained(
+        model_dir
+    )  # config only: a run that loaded the model would fail on the missing weights, not on the tokenizer
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "hello world"}) + "\n")
+    spec = tmp_path / "s.yaml"
+    spec.write_text(
+        f"name: t\nmodel: {{name_or_path: {model_dir}, device: cpu}}\ndata: {{path: {data}}}\n"
+        f"output_dir: {tmp_path / 'out'}\nexport: {{gguf: [f16, q8_0]}}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "slimtune.cli", "validate", str(spec)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stderr
+    assert "export.gguf" in done.stderr and "identical ids" in done.stderr
+    assert "export.gguf_tokenizer: as_is" in done.stderr and "Lowercase" in done.stderr
+    as_is = subprocess.run(
+        [sys.executable, "-m", "slimtune.cli", "validate", str(spec), "--set", "export.gguf_tokenizer=as_is"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert as_is.returncode == 0, as_is.stderr
+
+
+def test_as_is_writes_the_closest_vocabulary_and_measures_the_mismatch(tmp_path):
+    """export.gguf_tokenizer: as_is converts what exact refuses, and the check the report records says why and how
+    often llama.cpp's ids differ."""
+    from slimtune.export.gguf_tokenizer_check import check_tokenizer_export
+    from slimtune.tiny import build_model, build_tokenizer
+
+    model_dir = tmp_path / "m"
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(model_dir)
+    tj = json.loads((model_dir / "tokenizer.json").read_text())
+    tj["normalizer"] = {"type": "Lowercase"}
+    (model_dir / "tokenizer.json").write_text(json.dumps(tj))
+    build_model("llama", len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1).save_pretrained(
+        model_dir
+    )
+    [path] = convert_hf_to_gguf(model_dir, tmp_path / "m.gguf", "q8_0", tokenizer_as_is=True)
+    assert _gguf_kv(path)["tokenizer.ggml.pre"] == "default"
+    check = check_tokenizer_export(model_dir, strict=False)
+    assert not check.exact and "Lowercase" in check.reasons[0]
+    assert check.texts > 0 and 0 < check.mismatched <= check.texts  # the check texts have capitals
+    assert check.mismatch_rate == check.mismatched / check.texts
