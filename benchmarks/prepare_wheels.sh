@@ -33,7 +33,7 @@ BASE_PKGS=(
   prefect==3.8.8 fastapi==0.150.0 typing-extensions==4.16.0
   pydantic==2.14.3 pydantic-core==2.50.4 pydantic-extra-types==2.11.1 pydantic-settings==2.16.3
   annotated-types==0.8.0 typing-inspection==0.4.5
-  aiosqlite==0.22.1 alembic==1.20.1 mako==1.4.3 sqlalchemy==2.1.9 greenlet==3.5.6 asyncpg==0.32.0
+  aiosqlite==0.22.1 alembic==1.20.1 mako==1.4.3 sqlalchemy==2.0.58 greenlet==3.5.6 asyncpg==0.32.0
   amplitude-analytics==1.3.0 apprise==1.13.1 requests-oauthlib==2.0.0 oauthlib==4.0.1
   asgi-lifespan==2.1.0 starlette==1.10.0 uvicorn==0.54.0 websockets==16.1.1 sniffio==1.3.1
   h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0

@@ -352,3 +352,33 @@ def test_as_is_writes_the_closest_vocabulary_and_measures_the_mismatch(tmp_path)
     assert not check.exact and "Lowercase" in check.reasons[0]
     assert check.texts > 0 and 0 < check.mismatched <= check.texts  # the check texts have capitals
     assert check.mismatch_rate == check.mismatched / check.texts
+
+
+@pytest.mark.parametrize("name", ["phi-3", "llama-spm"])
+def test_slimtune_run_exports_the_real_sentencepiece_vocabulary(name, tmp_path):
+    """The user's path for the two vocabularies that used to be refused after training and merge: `slimtune run`
+    (two steps, merge, f16 and q8_0 GGUF verified in llama.cpp) on a tiny model with the real tokenizer, then
+    llama.cpp's ids on each exported GGUF equal its reference ids."""
+    path, texts, reference = vocab(name)
+    model_dir = _checkpoint(name, tmp_path / "model")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts if len(t.strip()) > 8) * 4)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(
+        f"name: real-{name}\noutput_dir: {tmp_path / 'runs'}\nmodel: {{name_or_path: {model_dir}, device: cpu}}\n"
+        "lora: {r: 4, alpha: 8, gradient_checkpointing: false}\n"
+        f"data: {{path: {data}, max_seq_length: 64, eval_fraction: 0}}\n"
+        "train: {micro_batch_size: 2, max_steps: 2, save_steps: 2, seed: 0}\n"
+        "export: {gguf: [f16, q8_0]}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "slimtune.cli", "run", str(spec)], capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for out_type in ("f16", "q8_0"):
+        gguf_path = tmp_path / "runs" / f"real-{name}" / "gguf" / f"real-{name}-{out_type}.gguf"
+        llm = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
+        got = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
+        llm.close()
+        bad = [(t, g, r) for t, g, r in zip(texts, got, reference) if g != r]
+        assert not bad, f"{name} {out_type}: {len(bad)}/{len(texts)} differ, first {bad[0]}"
