@@ -155,9 +155,14 @@ def model_modules(model_dir: Path) -> tuple[list[str], list[str]]:
 
 def _gguf_tokenizer_problems(spec: PipelineSpec) -> list[str]:
     """Whether each requested GGUF can carry the tokenizer with identical ids, from the tokenizer files alone:
-    before training, not after it (`slimtune.export.gguf_tokenizer_check`)."""
-    model_dir = _local_model_dir(spec)
-    if not spec.export.gguf or model_dir is None:
+    before training, not after it (`slimtune.export.gguf_tokenizer_check`). A Hub model's tokenizer files are
+    downloaded for it, without the weights."""
+    if not spec.export.gguf:
+        return []
+    from slimtune.model_source import tokenizer_files_dir
+
+    model_dir = tokenizer_files_dir(spec.model)
+    if model_dir is None:
         return []
     from slimtune.export.gguf_tokenizer_check import tokenizer_export_problem
 

@@ -16,6 +16,8 @@ from slimtune.spec import ModelSpec
 from slimtune.tiny import ensure_builtin, is_builtin
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+# config.json, the tokenizer (tokenizer.json/.model, vocab.json, merges.txt, its config) and chat templates
+_TOKENIZER_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 
 
 class ModelSourceError(ValueError):
@@ -31,10 +33,28 @@ def local_model_dir(model: ModelSpec) -> Path:
         return path
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+    patterns = [*_TOKENIZER_PATTERNS, "*.safetensors"]
     if model.allow_pickle:
         patterns += ["*" + s for s in _PICKLE_SUFFIXES]
     return Path(snapshot_download(model.name_or_path, revision=model.revision, allow_patterns=patterns))
+
+
+def tokenizer_files_dir(model: ModelSpec) -> Path | None:
+    """The model folder with its config.json and tokenizer files at least: weights are not downloaded.
+
+    For checks that need the tokenizer before the run (the GGUF tokenizer export): a Hub id fetches a few MB
+    into the HF cache, the same snapshot folder `local_model_dir` later completes with the weights. None when
+    the Hub cannot be reached and nothing is cached: load_4bit then reports the download's own error.
+    """
+    if is_builtin(model.name_or_path) or Path(model.name_or_path).expanduser().is_dir():
+        return local_model_dir(model)
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(model.name_or_path, revision=model.revision, allow_patterns=_TOKENIZER_PATTERNS)
+    except Exception:  # offline, gated or missing: as architecture_problem, left to load_4bit
+        return None
+    return Path(folder)
 
 
 def architecture_problem(model: ModelSpec) -> str | None:

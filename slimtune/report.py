@@ -108,6 +108,7 @@ def render_results(summary: dict) -> list[str]:
         lines += ["### GGUF files, verified in llama.cpp against the merged model", ""]
         header = ["file", "size", "argmax agreement", "max logit difference", "same token ids"]
         lines += _table(header, _gguf_rows(export)) + [""]
+        lines += _chat_template_lines(export.get("chat_template"))
         pushed = export.get("pushed")
         if pushed:
             lines += [f"Pushed to `{pushed.get('repo_id')}`: {pushed.get('commit_url')}", ""]
@@ -116,6 +117,18 @@ def render_results(summary: dict) -> list[str]:
         header, rows = _stage_rows(memory)
         lines += ["### Time and memory per stage", ""] + _table(header, rows) + [""]
     return lines
+
+
+def _chat_template_lines(outcome: dict | None) -> list[str]:
+    """The Modelfile's chat template: the format of its TEMPLATE, or that it has none, why and how to chat."""
+    if not outcome:
+        return []
+    if outcome.get("format") != "none":
+        return [f"Modelfile TEMPLATE: {outcome.get('format')} chat format.", ""]
+    lines = [f"Modelfile TEMPLATE: none; {outcome.get('reason')}."]
+    if outcome.get("run_with"):
+        lines.append(f"Chat with it through: {outcome['run_with']}.")
+    return lines + [""]
 
 
 def _details(title: str, record: dict) -> list[str]:

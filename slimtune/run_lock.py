@@ -1,19 +1,22 @@
-"""One run per run directory: an advisory `fcntl.flock` on a lock file inside it.
+"""One run per run directory: an advisory `fcntl.flock` on a lock file keyed by the directory's path.
 
 Two runs writing one run directory corrupt each other (the later one moves the live checkpoints away).
 The kernel drops a flock when its holder dies, so a lock left by a killed run (SIGKILL, host OOM) is
-taken over without any PID guessing; the PID in the file only names the holder in the message.
+taken over without any PID guessing; the PID in the file only names the holder in the message. The file
+lives outside the run directory (in the temp folder, one per user and resolved run-dir path): a lock file
+inside it was deleted with the directory mid-run, and a second run of the same name was then accepted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-LOCK_FILE = ".slimtune.lock"
 _held: dict[Path, int] = {}  # run dir -> depth: the CLI and the flow it runs take the same lock in one process
 
 
@@ -21,14 +24,21 @@ class RunLocked(RuntimeError):
     """Another live process holds the run directory."""
 
 
+def lock_path(run_dir: Path) -> Path:
+    """The lock file of `run_dir`: named by a hash of its resolved path, so deleting the directory keeps it."""
+    run_dir = Path(run_dir).resolve()
+    key = hashlib.sha256(str(run_dir).encode()).hexdigest()[:32]
+    return Path(tempfile.gettempdir()) / f"slimtune-locks-{os.getuid()}" / f"{key}.lock"
+
+
 def _holder(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8").strip() or "unknown"
+        return path.read_text(encoding="utf-8").partition("\n")[0].strip() or "unknown"
     except OSError:
         return "unknown"
 
 
-def _acquire(path: Path) -> int:
+def _acquire(path: Path, run_dir: Path) -> int:
     """Open and lock `path`; retried when the file was unlinked by its releasing holder in between."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -37,7 +47,7 @@ def _acquire(path: Path) -> int:
         except BlockingIOError:
             os.close(fd)
             raise RunLocked(
-                f"run directory {path.parent} is in use by another slimtune run (PID {_holder(path)}); wait for "
+                f"run directory {run_dir} is in use by another slimtune run (PID {_holder(path)}); wait for "
                 "it to finish or give this run another name or output_dir"
             ) from None
         try:
@@ -61,10 +71,11 @@ def run_lock(run_dir: Path) -> Iterator[None]:
             _held[run_dir] -= 1
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK_FILE
-    fd = _acquire(path)
+    path = lock_path(run_dir)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = _acquire(path, run_dir)
     os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    os.write(fd, f"{os.getpid()}\n{run_dir}\n".encode())
     _held[run_dir] = 1
     try:
         yield

@@ -10,8 +10,12 @@ measurement is what the run report records.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -94,11 +98,36 @@ def _mismatched_texts(vocab_gguf: Path, model_dir: Path) -> list[str]:
     from slimtune.export.gguf_verify import llama_cpp_tokenize
 
     hf_tok = AutoTokenizer.from_pretrained(model_dir)
-    llm = llama_cpp.Llama(str(vocab_gguf), vocab_only=True, verbose=False)
+    with _llama_cpp_silenced():
+        llm = llama_cpp.Llama(str(vocab_gguf), vocab_only=True, verbose=False)
     try:
         return [t for t in CHECK_TEXTS if llama_cpp_tokenize(llm, t) != hf_tok(t)["input_ids"]]
     finally:
         llm.close()
+
+
+@contextmanager
+def _llama_cpp_silenced() -> Iterator[None]:
+    """llama.cpp's log off while the vocab-only context is made: with verbose=False it still prints
+    "n_ctx_seq (512) > n_ctx_train (0) -- possible training context overflow" at error level, a false alarm
+    in `slimtune validate`'s output (a vocabulary has no training context). llama-cpp-python's own log
+    callback is put back afterwards."""
+    import llama_cpp
+    import llama_cpp._logger
+
+    llama_cpp.llama_log_set(_quiet_log(), ctypes.c_void_p(0))
+    try:
+        yield
+    finally:
+        llama_cpp.llama_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+@functools.cache
+def _quiet_log() -> object:
+    """A log callback that drops every line; cached so that the C side never calls a freed ctypes object."""
+    import llama_cpp
+
+    return llama_cpp.llama_log_callback(lambda level, text, user_data: None)
 
 
 def tokenizer_export_problem(model_dir: Path, *, as_is: bool = False) -> str | None:

@@ -230,6 +230,27 @@ def write_adapter_card(adapter_dir: Path, *, base_model: str, **card: object) ->
     atomic.write_text(adapter_dir / "README.md", render_adapter_card(base_model=base_model, **card))  # type: ignore[arg-type]
 
 
+def chat_template_outcome(
+    gguf_filename: str, chat_template: str | None, *, eos_token: str | None = None, bos_token: str | None = None
+) -> dict[str, str]:
+    """What the Modelfile does with the chat template, for the run report: the format its TEMPLATE renders, or
+    "none" with the reason and how to chat with the model anyway (the report must say so, not only the
+    Modelfile: a GGUF without a TEMPLATE chats as gibberish in Ollama)."""
+    fmt, _ = recognise(chat_template, bos_token, eos_token)
+    if fmt is not None:
+        return {"format": fmt.name}
+    if not chat_template:
+        return {"format": "none", "reason": "the tokenizer has no chat template: the model is prompted with raw text"}
+    return {
+        "format": "none",
+        "reason": f"the chat template matches none of {', '.join(FORMAT_NAMES)}; no Go template reproduces it, "
+        "so the Modelfile has no TEMPLATE",
+        "run_with": f"llama-cli -m {gguf_filename} --jinja (the GGUF carries the template as "
+        "tokenizer.chat_template), or Ollama's own template where it recognises the model "
+        f"(ollama show NAME --template), or a TEMPLATE written by hand: {_MODELFILE_DOCS}",
+    }
+
+
 def render_modelfile(
     gguf_filename: str,
     chat_template: str | None,

@@ -24,7 +24,8 @@ from slimtune.export import (
 )
 from slimtune.export.gguf_adapter import ADAPTER_GGUF_SUFFIX, convert_adapter_to_gguf, verify_adapter_gguf
 from slimtune.export.gguf_tokenizer_check import check_tokenizer_export
-from slimtune.export.model_card import base_license
+from slimtune.export.model_card import base_license, chat_template_outcome
+from slimtune.export.previous_gguf import set_aside_previous_ggufs
 from slimtune.merge.nf4 import TRAINING_NF4
 from slimtune.run_plan import RunPlan, plan_for
 from slimtune.spec import PipelineSpec
@@ -48,6 +49,7 @@ class ExportResult:
     pushed: dict | None = None
     adapter: dict | None = None  # the LoRA adapter GGUF (export.adapter_gguf) and its check against merged
     tokenizer: dict | None = None  # export.gguf_tokenizer as_is: why the ids may differ, measured in llama.cpp
+    chat_template: dict | None = None  # the Modelfile's TEMPLATE format, or "none" with why and how to chat
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -119,7 +121,10 @@ def card_license(spec: PipelineSpec, model_dir: str) -> str | None:
     return base_license(Path(model_dir)) or spec.export.license
 
 
-def _card(spec: PipelineSpec, plan: RunPlan, merged_dir: Path, files: list[Path], summary: dict) -> tuple[str, str]:
+def _card(
+    spec: PipelineSpec, plan: RunPlan, merged_dir: Path, files: list[Path], summary: dict
+) -> tuple[str, str, dict[str, str]]:
+    """The model card, the Modelfile and what the Modelfile does with the chat template (for the report)."""
     tok_cfg = (
         json.loads((merged_dir / "tokenizer_config.json").read_text())
         if (merged_dir / "tokenizer_config.json").exists()
@@ -143,13 +148,9 @@ def _card(spec: PipelineSpec, plan: RunPlan, merged_dir: Path, files: list[Path]
         ),
     )
     eos, bos = tok_cfg.get("eos_token"), tok_cfg.get("bos_token")
-    modelfile = render_modelfile(
-        files[0].name,
-        template,
-        eos_token=eos if isinstance(eos, str) else None,
-        bos_token=bos if isinstance(bos, str) else None,
-    )
-    return card, modelfile
+    tokens = {"eos_token": eos if isinstance(eos, str) else None, "bos_token": bos if isinstance(bos, str) else None}
+    modelfile = render_modelfile(files[0].name, template, **tokens)
+    return card, modelfile, chat_template_outcome(files[0].name, template, **tokens)
 
 
 def adapter_gguf_name(spec: PipelineSpec) -> str:
@@ -213,7 +214,11 @@ def gguf_convert_and_push(
     if spec.export.adapter_gguf:
         result.adapter = _adapter_gguf(spec, plan, merged_dir, adapter_dir, out_dir, files)
         log.info("adapter GGUF: %s", result.adapter)
-    card, modelfile = _card(spec, plan, merged_dir, files, summary)
+    # the earlier run's GGUFs this export list no longer produces: gguf/ then holds this run's files only
+    adapter = [adapter_gguf_name(spec)] if spec.export.adapter_gguf else []
+    set_aside_previous_ggufs(out_dir, [f.name for f in files] + adapter)
+    card, modelfile, result.chat_template = _card(spec, plan, merged_dir, files, summary)
+    log.info("Modelfile chat template: %s", result.chat_template)
     atomic.write_text(out_dir / "README.md", card)
     atomic.write_text(out_dir / "Modelfile", modelfile)
     push = spec.export.push

@@ -1,8 +1,12 @@
-"""Two runs with one run directory: the second stops at once, naming the directory and the holder's PID."""
+"""Two runs with one run directory: the second stops at once, naming the directory and the holder's PID.
+
+Also when the run directory was deleted under the first run: the lock lives outside it.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +15,7 @@ import yaml
 from faultlib import REPO, spec_dict
 
 from slimtune.cli import EXIT_INVALID_SPEC, main
-from slimtune.run_lock import LOCK_FILE, run_lock
+from slimtune.run_lock import lock_path, run_lock
 
 _HOLD = """import sys, time
 from slimtune.run_lock import run_lock
@@ -63,12 +67,32 @@ def test_second_run_with_the_same_run_dir_exits_at_once(holder, tmp_path, capsys
 def test_stale_lock_of_a_dead_run_is_taken_over(tmp_path, observe):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    lock = lock_path(run_dir)
+    lock.parent.mkdir(parents=True, exist_ok=True)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (run_dir / LOCK_FILE).write_text(dead.stdout)
+    lock.write_text(dead.stdout)
     with run_lock(run_dir):
-        assert (run_dir / LOCK_FILE).read_text().strip() == str(os.getpid())
+        assert lock.read_text().splitlines()[0] == str(os.getpid())
         with run_lock(run_dir):  # the CLI and the flow it runs take it in one process
             pass
-        assert (run_dir / LOCK_FILE).exists()
-    assert not (run_dir / LOCK_FILE).exists()
+        assert lock.exists()
+    assert not lock.exists()
     observe(f"lock of dead PID {dead.stdout.strip()} taken over; removed at the end")
+
+
+@pytest.mark.fault(
+    "Two runs, one run directory",
+    stage="all",
+    expect="the run directory deleted under a live run: a second run of the same name still exits 2 naming the holder",
+)
+def test_second_run_after_the_run_dir_was_deleted_exits_at_once(holder, tmp_path, capsys, observe):
+    proc, run_dir = holder
+    shutil.rmtree(run_dir)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(spec_dict(tmp_path / "runs")))
+    code = main(["run", str(spec)])
+    err = capsys.readouterr().err.strip()
+    observe(err.replace(str(tmp_path), "…"))
+    assert code == EXIT_INVALID_SPEC, err
+    assert len(err.splitlines()) == 1 and str(run_dir) in err and f"PID {proc.pid}" in err
+    assert not (run_dir / "checkpoints").exists()
