@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from go_template import render_go
 from huggingface_hub import ModelCard
 
 from slimtune.export.chat_formats import FORMATS
@@ -61,82 +62,6 @@ CHATS = [
 ]
 
 
-# ------------------------------------------------------------------ a tiny evaluator of Ollama's Go templates
-
-
-def _tokens(template: str) -> list[tuple[str, str]]:
-    parts = re.split(r"(\{\{-?\s*.*?\s*-?\}\})", template)
-    for i, part in enumerate(parts):  # {{- trims the text before, -}} the text after
-        if part.startswith("{{-") and i > 0:
-            parts[i - 1] = parts[i - 1].rstrip()
-        if part.endswith("-}}") and i + 1 < len(parts):
-            parts[i + 1] = parts[i + 1].lstrip()
-    out = []
-    for part in parts:
-        action = re.fullmatch(r"\{\{-?\s*(.*?)\s*-?\}\}", part)
-        out.append(("action", action.group(1)) if action else ("text", part))
-    return out
-
-
-def _parse(tokens: list[tuple[str, str]], i: int = 0) -> tuple[list, int, str | None]:
-    """Nodes up to an `end`/`else...` action: text, fields, `range .Messages`, `if eq .Role "x"` chains."""
-    nodes: list = []
-    while i < len(tokens):
-        kind, value = tokens[i]
-        if kind == "text":
-            nodes.append(("text", value))
-        elif value == "end" or value.startswith("else"):
-            return nodes, i, value
-        elif value == "range .Messages":
-            body, i, term = _parse(tokens, i + 1)
-            assert term == "end", "range without end"
-            nodes.append(("range", body))
-        elif value.startswith("if "):
-            branches, cond = [], value[3:]
-            while True:
-                body, i, term = _parse(tokens, i + 1)
-                branches.append((cond, body))
-                if term == "end":
-                    break
-                cond = term.removeprefix("else").strip().removeprefix("if ").strip() or None
-            nodes.append(("if", branches))
-        elif value in (".Role", ".Content"):
-            nodes.append(("field", value[1:].lower()))
-        else:
-            raise AssertionError(f"unsupported Go template action {{{{ {value} }}}}")
-        i += 1
-    return nodes, i, None
-
-
-def _eval(nodes: list, messages: list[dict], message: dict | None = None) -> str:
-    out = []
-    for node in nodes:
-        if node[0] == "text":
-            out.append(node[1])
-        elif node[0] == "field":
-            out.append(message[node[1]])
-        elif node[0] == "range":
-            out += [_eval(node[1], messages, m) for m in messages]
-        else:
-            for cond, body in node[1]:
-                if cond is None or _true(cond, message):
-                    out.append(_eval(body, messages, message))
-                    break
-    return "".join(out)
-
-
-def _true(cond: str, message: dict) -> bool:
-    match = re.fullmatch(r'eq \.Role "(\w+)"', cond)
-    assert match, f"unsupported condition {cond}"
-    return message["role"] == match.group(1)
-
-
-def render_go(template: str, messages: list[dict]) -> str:
-    nodes, _, term = _parse(_tokens(template))
-    assert term is None, f"unbalanced {term}"
-    return _eval(nodes, messages)
-
-
 def _hf(template: str, chat: list[dict], bos: str | None, eos: str) -> str:
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
@@ -154,7 +79,7 @@ def _hf(template: str, chat: list[dict], bos: str | None, eos: str) -> str:
 def test_go_evaluator_understands_what_it_is_given():
     assert render_go('{{ range .Messages }}{{ if eq .Role "user" }}U{{ else }}A{{ end }}{{ end }}', CHATS[1]) == "UAU"
     with pytest.raises(AssertionError, match="unsupported"):
-        render_go("{{ .System }}", CHATS[0])
+        render_go("{{ .Tools }}", CHATS[0])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
