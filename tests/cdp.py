@@ -21,7 +21,9 @@ import pytest
 from websockets.sync.client import ClientConnection, connect
 
 CHROMIUM = Path("/usr/bin/chromium")
-_FLAGS = (
+# Headless, and quiet on a closed network (without the background-networking flags Chromium's connections are
+# refused many at a time); tests/test_ui.py's --dump-dom runs use the same.
+HEADLESS_FLAGS = (
     "--headless",
     "--no-sandbox",
     "--disable-gpu",
@@ -30,8 +32,8 @@ _FLAGS = (
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
-    "--remote-debugging-port=0",  # Chromium picks a free port and writes it to DevToolsActivePort
 )
+_FLAGS = (*HEADLESS_FLAGS, "--remote-debugging-port=0")  # Chromium picks a free port, writes DevToolsActivePort
 
 
 class Page:

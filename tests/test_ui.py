@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cdp import HEADLESS_FLAGS
 from prefect_server import REPO, start_server
 
 from slimtune.spec import STAGES
@@ -73,14 +74,7 @@ def _chromium(profile: Path, url: str, *args: str, budget_ms: int = _BUDGET_MS, 
         pytest.fail("Chromium is missing: apt-get install -y chromium (.ci/run installs it before the tests)")
     cmd = [
         str(_CHROMIUM),
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
+        *HEADLESS_FLAGS,
         f"--user-data-dir={profile}",
         f"--virtual-time-budget={budget_ms}",
         f"--window-size=1400,{height}",
