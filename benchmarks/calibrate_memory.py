@@ -216,13 +216,7 @@ def _e2e(root: Path, budget_gib: float, mb: int | str, ckpt: str, merge: bool, o
     spec_path = root / f"{name}.json"
     spec_path.write_text(json.dumps(raw))
     t0 = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-m", "slimtune.cli", "run", str(spec_path)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=Path(__file__).resolve().parent.parent,
-    )
+    proc, device_peak = _run_sampled([sys.executable, "-m", "slimtune.cli", "run", str(spec_path)], root, timeout)
     run_dir = root / "runs" / name
     stages = {}
     for f in sorted((run_dir / "memory").glob("*.json")):
@@ -239,10 +233,32 @@ def _e2e(root: Path, budget_gib: float, mb: int | str, ckpt: str, merge: bool, o
         "checkpointing": ckpt,
         "rc": proc.returncode,
         "seconds": round(time.time() - t0, 1),
+        # nvidia-smi every 0.5 s while the run lived, less the idle card: what the card had to hold
+        "device_peak_gib": round(device_peak / GiB, 3) if device_peak is not None else None,
         "train": {k: train.get(k) for k in ("micro_batch_size", "gradient_accumulation_steps", "steps", "batching")},
         "stages": stages,
         "last_line": (proc.stderr.strip().splitlines() or [""])[-1] if proc.returncode else proc.stdout.strip()[-200:],
     }
+
+
+def _run_sampled(cmd: list[str], root: Path, timeout: float) -> tuple[subprocess.CompletedProcess, int | None]:
+    """Run `cmd` from the repository root, sampling the card's used memory (nvidia-smi, every 0.5 s) from
+    outside the process; returns its result and the peak above the card's used memory before it started."""
+    idle = _device_used()
+    logs = [root / "run.stdout", root / "run.stderr"]
+    with logs[0].open("w") as out, logs[1].open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=Path(__file__).resolve().parent.parent)
+        deadline, peak = time.time() + timeout, None
+        while proc.poll() is None:
+            if time.time() > deadline:
+                proc.kill()
+                raise subprocess.TimeoutExpired(cmd, timeout, *(p.read_text() for p in logs))
+            used = _device_used()
+            if used is not None and idle is not None:
+                peak = max(peak or 0, used - idle)
+            time.sleep(0.5)
+    stdout, stderr = (p.read_text() for p in logs)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), peak
 
 
 def _device_total() -> int:

@@ -6,8 +6,8 @@ preflight uses (`slimtune.memory.estimate`, held to GPU measurements by tests/te
 so the verdicts here are the preflight's verdicts.
 
 GPU budget: `gpu_total` is the card's whole memory (device-wide: the CUDA context counts). With
-`guard.gpu_memory_fraction` the caching allocator is also capped at that share of the card, as the
-guard does, and the context is outside that cap.
+`guard.gpu_memory_fraction` the run holds that share of the card, context included, as the guard
+enforces it: a budget is a card size.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _MAX_MICRO_BATCH = 256
 
 @dataclass(frozen=True)
 class Budget:
-    """What the run may use: the card's memory, the allocator's share of it, host memory (bytes)."""
+    """What the run may use: the card's memory, the run's device-wide share of it, host memory (bytes)."""
 
     gpu_total: int | None
     gpu_fraction: float | None
@@ -39,10 +39,7 @@ class Budget:
         """None when there is no GPU budget to compare with."""
         if self.gpu_total is None:
             return None
-        ok = est.gpu_bytes <= self.gpu_total
-        if self.gpu_fraction is not None:
-            ok = ok and est.gpu_bytes - est.context_gpu_bytes <= self.gpu_fraction * self.gpu_total
-        return ok
+        return est.gpu_bytes <= self.gpu_total * (self.gpu_fraction or 1.0)
 
     def host_fits(self, est: Estimate) -> bool | None:
         return None if self.host is None else est.host_bytes <= self.host
@@ -240,7 +237,7 @@ def _verdict(ok: bool | None) -> str:
 
 def render(spec: PipelineSpec, rows: list[StagePlan], limits: dict, budget: Budget) -> str:
     """The plan as text: budgets, each stage's estimate with its main terms and verdicts, the limits."""
-    cap = f", allocator capped at {spec.guard.gpu_memory_fraction:g} of it" if budget.gpu_fraction else ""
+    cap = f", run held to {budget.gpu_fraction:g} of it" if budget.gpu_fraction else ""
     cpu = spec.model.device == "cpu"  # a CPU run uses no GPU memory: no GPU figures at all
     lines = [
         f"plan for {spec.name}: {spec.model.name_or_path}, micro-batch {limits['micro_batch']} x "

@@ -466,8 +466,9 @@ class GuardSpec(_Section):
         None,
         gt=0,
         le=1,
-        description="Cap this run at this fraction of the GPU so that it fails inside "
-        "its budget instead of starving other processes.",
+        description="Hold this run to this fraction of the GPU, device-wide (CUDA context and "
+        "libraries included, so a budget is a card size): it fails inside its budget instead of "
+        "starving other processes.",
     )
     preflight: bool = Field(True, description="Fail before allocating when the estimate exceeds what is free.")
     max_crash_resubmits: int = Field(

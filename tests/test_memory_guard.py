@@ -18,6 +18,7 @@ import torch
 from prefect import flow, task
 
 from slimtune.memory.clean import clean_memory
+from slimtune.memory.device_usage import outside_allocator_bytes
 from slimtune.memory.downshift import (
     DownshiftExhausted,
     current_attempt,
@@ -614,7 +615,9 @@ def test_gpu_budget_oom_recovers_at_smaller_micro_batch(prefect_harness):
     total = torch.cuda.get_device_properties(0).total_memory
     # Micro-batch m saves 4 x 128 MiB per sample plus a 128 MiB transient and ~the same again in
     # gradients during backward (~0.8 GiB/sample): 4.5 GiB fits m = 4 (~3.2 GiB), not m = 8 (~6.5 GiB).
-    fraction = (baseline + 4.5 * _GIB) / total
+    # The budget is device-wide: what CUDA holds outside the allocator comes on top.
+    outside = outside_allocator_bytes(torch.device("cuda", 0))
+    fraction = (baseline + 4.5 * _GIB + outside) / total
 
     @flow
     def run() -> dict:
@@ -628,6 +631,8 @@ def test_gpu_budget_oom_recovers_at_smaller_micro_batch(prefect_harness):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "memory_guard_gpu.json").write_text(json.dumps(result, indent=1))
     assert out["micro_batch"] == 4 and out["grad_accum"] == 2
-    assert out["peak"] <= fraction * total
+    assert out["peak"] <= fraction * total - outside
+    if out["device_used"]:  # this process on the card (or the whole card where NVML cannot tell it apart)
+        assert out["device_used"] <= fraction * total + 64 * _MIB, (out["device_used"], fraction * total)
     assert abs(after - baseline) <= 64 * _MIB
     assert torch.cuda.get_per_process_memory_fraction(0) == 1.0  # the budget was restored

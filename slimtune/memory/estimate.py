@@ -34,7 +34,7 @@ _ALLOCATOR_SLACK = 0.10
 # What a CUDA process holds outside the caching allocator: the context, cuBLAS/cuDNN handles and
 # workspaces, loaded Triton modules. Measured (device-wide used - allocator reserved) on an H100,
 # torch 2.11 + CUDA 13: 1.29 GiB in every packed_sft cell, 1.07 GiB while loading.
-_CUDA_CONTEXT_BYTES = int(1.30 * _GIB)
+CUDA_CONTEXT_BYTES = int(1.30 * _GIB)
 # While loading, before cuBLAS and the Triton kernels are first used: 1.07 GiB measured.
 _LOAD_CONTEXT_BYTES = int(1.12 * _GIB)
 # Anonymous host memory of the loading process: 0.64 GiB in a bare worker, 0.72 GiB inside the flow.
@@ -440,7 +440,7 @@ def estimate_train(
         int(churn * share) + _FRAGMENTATION_FLOOR + int(host_table * _HOST_TABLE_FRAGMENTATION)
     )
     if on_gpu:
-        gpu[_CONTEXT_TERM] = _CUDA_CONTEXT_BYTES
+        gpu[_CONTEXT_TERM] = CUDA_CONTEXT_BYTES
     checkpoint = lora * (4 + optimizer_bytes_per_param)
     # A resumable checkpoint is written beside the previous one before that one is removed.
     disk = {"adapter and optimizer checkpoints (2 kept while writing)": 2 * checkpoint}
@@ -468,7 +468,7 @@ def estimate_merge(cfg: dict[str, Any], *, max_shard_bytes: int, output_dtype_by
             "largest matrix in fp32 for the merge": largest * 4,
         }
     )
-    gpu[_CONTEXT_TERM] = _CUDA_CONTEXT_BYTES
+    gpu[_CONTEXT_TERM] = CUDA_CONTEXT_BYTES
     full = shape.total_weights() * output_dtype_bytes
     host = {
         "process (anonymous memory; shards are mapped)": _PROCESS_ANON_BYTES,

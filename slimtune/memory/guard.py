@@ -24,6 +24,7 @@ import psutil
 import torch
 
 from slimtune.memory.clean import clean_memory
+from slimtune.memory.device_usage import outside_allocator_bytes
 from slimtune.memory.downshift import current_attempt
 from slimtune.memory.errors import PreflightError, classify, memory_state, to_memory_pressure
 from slimtune.memory.estimate import Estimate
@@ -87,8 +88,8 @@ def _gpu_checks(est: Estimate, dev: torch.device, budget_bytes: int | None) -> l
         here += est.resident_gpu_bytes
     checks = [(max(est.gpu_bytes - here, 0), free, f"on {dev} (device free; {here / _GIB:.2f} GiB already here)")]
     if budget_bytes is not None:
-        where = f"in the {budget_bytes / _GIB:.2f} GiB budget on {dev} (allocator; context excluded)"
-        checks.append((est.gpu_bytes - est.context_gpu_bytes, budget_bytes, where))
+        where = f"in the {budget_bytes / _GIB:.2f} GiB budget on {dev} (device-wide: context included)"
+        checks.append((est.gpu_bytes, budget_bytes, where))
     return checks
 
 
@@ -159,7 +160,15 @@ def max_memory_with_headroom(device: str) -> dict[int | str, int]:
 
 @contextmanager
 def _budget(dev: torch.device, fraction: float | None) -> Iterator[int | None]:
-    """Cap this process's CUDA allocations at `fraction` of the device, restoring the old cap after."""
+    """Hold this process to `fraction` of the device, device-wide, restoring the old allocator cap after.
+
+    A budget is a card size: the caching allocator is capped at the budget less what the process holds
+    outside it (`outside_allocator_bytes`: the CUDA context, library handles, loaded kernels), so that
+    "fits 6 GiB" means a 6 GiB card. Yields the device-wide budget in bytes.
+
+    Raises:
+        PreflightError: the budget does not even hold what CUDA keeps outside the allocator.
+    """
     if fraction is None or dev.type != "cuda":
         yield None
         return
@@ -167,10 +176,17 @@ def _budget(dev: torch.device, fraction: float | None) -> Iterator[int | None]:
         raise ValueError(f"memory budget fraction is {fraction}; use a value in (0, 1]")
     if dev.index is None:  # "cuda" means the current device; the fraction API wants an index
         dev = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(dev).total_memory
+    budget, outside = int(total * fraction), outside_allocator_bytes(dev)
+    if budget <= outside:
+        raise PreflightError(
+            f"guard.gpu_memory_fraction: {fraction:g} of {dev} is {budget / _GIB:.2f} GiB, no more than what "
+            f"CUDA holds outside the allocator ({outside / _GIB:.2f} GiB); raise it"
+        )
     previous = torch.cuda.get_per_process_memory_fraction(dev)
-    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+    torch.cuda.set_per_process_memory_fraction((budget - outside) / total, dev)
     try:
-        yield int(torch.cuda.get_device_properties(dev).total_memory * fraction)
+        yield budget
     finally:
         torch.cuda.set_per_process_memory_fraction(previous, dev)
 

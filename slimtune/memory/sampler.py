@@ -1,43 +1,41 @@
 """A background thread that records peak memory while a stage runs.
 
-`torch.cuda.max_memory_allocated/reserved` are the exact allocator peaks and are the authority for
-GPU numbers; the thread adds what the allocator cannot see: device-wide used memory from NVML
-(other processes, the CUDA context, NCCL buffers) and host RSS (offloaded activations, pinned
-buffers, loader copies). One sample is a /proc read plus, on CUDA, two allocator counters and one
-NVML query: 67 us measured on a loaded 2-core CPU machine, 0.13% of the 50 ms interval. On an H200
-the NVML query made one sample cost ~0.7 ms (1.45% of a 3 s stage at 50 ms), so the wait between samples
-stretches to at least 200x the last sample's cost, which bounds the sampler to 0.5% of the task's time;
-`overhead` reports the measured fraction per run.
+`torch.cuda.max_memory_allocated/reserved` are the exact allocator peaks and are the authority for GPU
+numbers; the thread adds what the allocator cannot see: what the process holds on the card
+(`slimtune.memory.device_usage`: the CUDA context, library workspaces, NCCL buffers) and host RSS
+(offloaded activations, pinned buffers, loader copies). One sample is a /proc read plus, on CUDA, two
+allocator counters and one NVML query: 67 us measured on a loaded 2-core CPU machine, 0.13% of the 50 ms
+interval. On an H200 the NVML query made one sample cost ~0.7 ms (1.45% of a 3 s stage at 50 ms), so the
+wait between samples stretches to at least 200x the last sample's cost, which bounds the sampler to 0.5%
+of the task's time; `overhead` reports the measured fraction per run.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
 import psutil
 import torch
 
+from slimtune.memory.device_usage import device_reader, process_reader
+
 # Wait at least this many times the last sample's cost, so sampling stays under 1 / 200 = 0.5% of wall time.
 _COST_FACTOR = 200
 
 
-def _nvml_reader(device: torch.device):
-    """Return a callable giving device-wide used bytes, or None when NVML is unavailable."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+def _device_used_reader(device: torch.device) -> Callable[[], int] | None:
+    """A callable giving what this process holds on the device (NVML, per process), or the device's whole
+    used memory where NVML cannot tell this process apart; None without a CUDA device."""
+    process, whole = process_reader(device), device_reader(device)
+    if whole is None:
         return None
-    try:
-        import pynvml  # nvidia-ml-py; torch.cuda.device_memory_used needs it
-    except ImportError:
-        # cudaMemGetInfo sees the same device-wide total (context and library workspaces included).
-        return lambda: (lambda free, total: total - free)(*torch.cuda.mem_get_info(device))
-    try:
-        torch.cuda.device_memory_used(device)
-    except (pynvml.NVMLError, RuntimeError):  # no usable driver, or a device NVML cannot see
-        return None
-    return lambda: torch.cuda.device_memory_used(device)
+    if process is None:
+        return whole
+    return lambda: (lambda mine: whole() if mine is None else mine)(process())
 
 
 class PeakSampler:
@@ -47,7 +45,7 @@ class PeakSampler:
         self.device = torch.device(device)
         self.interval_s = interval_s
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        self._nvml = _nvml_reader(self.device)
+        self._device_used = _device_used_reader(self.device)
         self._process = psutil.Process()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -56,7 +54,7 @@ class PeakSampler:
         self.peak_host_anon = 0
         self.peak_gpu_allocated: int | None = 0 if self._cuda else None
         self.peak_gpu_reserved: int | None = 0 if self._cuda else None
-        self.peak_device_used: int | None = 0 if self._nvml else None
+        self.peak_device_used: int | None = 0 if self._device_used else None
         self.start_host_rss = 0  # host RSS when sampling began: peaks are compared with it
         self.samples = 0
         self.sample_seconds = 0.0
@@ -72,8 +70,8 @@ class PeakSampler:
         if self._cuda:
             self.peak_gpu_allocated = max(self.peak_gpu_allocated or 0, torch.cuda.memory_allocated(self.device))
             self.peak_gpu_reserved = max(self.peak_gpu_reserved or 0, torch.cuda.memory_reserved(self.device))
-        if self._nvml is not None:
-            self.peak_device_used = max(self.peak_device_used or 0, self._nvml())
+        if self._device_used is not None:
+            self.peak_device_used = max(self.peak_device_used or 0, self._device_used())
         self.samples += 1
         self.sample_seconds += time.perf_counter() - t0
 

@@ -1,0 +1,70 @@
+"""What this process holds on a GPU, device-wide: the figure a card size is compared with.
+
+The caching allocator sees only its own blocks. A process also holds the CUDA context, cuBLAS/cuDNN
+handles and workspaces and the loaded kernel modules (1.07-1.29 GiB measured on an H100, see
+`slimtune.memory.estimate`), so a run whose allocator peaked at 5.2 GiB held 6.46 GiB of the card.
+NVML reports each process's usage; inside a container its process ids are the host's and this
+process is not found, and then the device's whole used memory stands in (other processes included).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from slimtune.memory.estimate import CUDA_CONTEXT_BYTES
+
+
+def _nvml_handle(device: torch.device):
+    """The NVML handle of `device` (matched by UUID: CUDA_VISIBLE_DEVICES renumbers), or None without NVML."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    except (pynvml.NVMLError, RuntimeError, AttributeError):
+        return None
+
+
+def process_reader(device: torch.device) -> Callable[[], int | None] | None:
+    """A callable giving this process's bytes on `device` (None when NVML cannot tell it from the others),
+    or None when there is no CUDA device or no NVML."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    handle = _nvml_handle(device)
+    if handle is None:
+        return None
+    import pynvml
+
+    pid = os.getpid()
+
+    def used() -> int | None:
+        try:
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except pynvml.NVMLError:
+            return None
+        return next((p.usedGpuMemory for p in procs if p.pid == pid and p.usedGpuMemory is not None), None)
+
+    return used
+
+
+def device_reader(device: torch.device) -> Callable[[], int] | None:
+    """A callable giving the device's used bytes (every process), or None without a CUDA device."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return lambda: (lambda free, total: total - free)(*torch.cuda.mem_get_info(device))
+
+
+def outside_allocator_bytes(device: torch.device) -> int:
+    """What this process holds on `device` outside the caching allocator: measured where NVML tells this
+    process apart, never less than the calibrated context (libraries load lazily: cuBLAS at the first
+    matmul, Triton modules at their first launch, so an early measurement is low)."""
+    reader = process_reader(device)
+    held = reader() if reader is not None else None
+    measured = held - torch.cuda.memory_reserved(device) if held is not None else 0
+    return max(CUDA_CONTEXT_BYTES, measured)
