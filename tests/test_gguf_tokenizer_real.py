@@ -6,8 +6,8 @@ a Hub checkpoint has: byte-level BPE ones as a tokenizer.json with the Hub's pre
 cores and drops Llama 3's ignore_merges), SentencePiece ones by transformers' rebuild from the GGUF
 (tokenizer.json only, as Phi-3's failing case was) plus, for llama-spm, the tokenizer.model a Llama 2 checkpoint
 ships. The tokenizer goes on a tiny random model of the family (one layer, hidden 64, so that a 262k vocabulary
-is 17M parameters), through the export's converter (`convert_hf_to_gguf`, f16 and q8_0), and the GGUF is loaded
-in llama.cpp with vocab_only.
+is 17M parameters), through `slimtune run` (train, merge, f16 and q8_0 GGUF), and the GGUFs are loaded in
+llama.cpp with vocab_only.
 """
 
 from __future__ import annotations
@@ -219,27 +219,6 @@ def _checkpoint(name: str, dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("name", list(VOCABS))
-def test_exported_gguf_gives_llama_cpp_reference_ids(name, tmp_path):
-    path, texts, reference = vocab(name)
-    model_dir = _checkpoint(name, tmp_path / f"{name}-model")
-    for out_type in ("f16", "q8_0"):
-        [gguf_path] = convert_hf_to_gguf(model_dir, tmp_path / f"{name}-{out_type}.gguf", out_type)
-        written = _gguf_kv(gguf_path)
-        assert (written["tokenizer.ggml.model"], written["tokenizer.ggml.pre"]) == WRITTEN_AS[name]
-        if name == "llama-spm":  # from tokenizer.model: sentencepiece's own scores, not ones derived from merges
-            assert written["tokenizer.ggml.scores"] == _gguf_kv(path)["tokenizer.ggml.scores"]
-        llm = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
-        got = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
-        llm.close()
-        matched = sum(g == r for g, r in zip(got, reference))
-        print(f"{name} {out_type}: llama.cpp ids = reference on {matched}/{len(texts)} strings")
-        bad = [(t, g, r) for t, g, r in zip(texts, got, reference) if g != r]
-        assert not bad, (
-            f"{name} {out_type}: {len(bad)}/{len(texts)} differ, first {bad[0][0]!r}: {bad[0][1]} != {bad[0][2]}"
-        )
-
-
 def test_probe_hash_names_the_pre_tokenizer_of_an_unknown_shape():
     """A Llama 3 tokenizer.json whose regex is spelled differently (llama.cpp's own case-insensitive rewrite) is no
     known shape; llama.cpp's probe-text hash still names it, and ignore_merges picks llama-bpe or its twin."""
@@ -293,7 +272,7 @@ def test_gemma4_vocabulary_gives_llama_cpp_reference_ids(tmp_path):
 
 def test_validate_refuses_an_inexact_tokenizer_before_any_model_loads(tmp_path):
     """A Llama 3 tokenizer.json that lost ignore_merges with a regex llama.cpp has no twin for: validate exits 2
-    naming the choices, in a process where no model weights exist to load (config.json only)."""
+    naming the choices, before any model loads."""
     from slimtune.tiny import build_tokenizer
 
     model_dir = tmp_path / "m"
@@ -304,11 +283,10 @@ def test_validate_refuses_an_inexact_tokenizer_before_any_model_loads(tmp_path):
     (model_dir / "tokenizer.json").write_text(json.dumps(tj))
     from slimtune.tiny import build_model
 
-    build_model(
-        "llama", len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1
-    ).config.save_pretrained(
+    # with its weights: validate refuses a folder without them (it reads only their headers, loads nothing)
+    build_model("llama", len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1).save_pretrained(
         model_dir
-    )  # config only: a run that loaded the model would fail on the missing weights, not on the tokenizer
+    )
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "hello world"}) + "\n")
     spec = tmp_path / "s.yaml"
@@ -354,31 +332,55 @@ def test_as_is_writes_the_closest_vocabulary_and_measures_the_mismatch(tmp_path)
     assert check.mismatch_rate == check.mismatched / check.texts
 
 
-@pytest.mark.parametrize("name", ["phi-3", "llama-spm"])
-def test_slimtune_run_exports_the_real_sentencepiece_vocabulary(name, tmp_path):
-    """The user's path for the two vocabularies that used to be refused after training and merge: `slimtune run`
-    (two steps, merge, f16 and q8_0 GGUF verified in llama.cpp) on a tiny model with the real tokenizer, then
-    llama.cpp's ids on each exported GGUF equal its reference ids."""
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, request) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """`slimtune run` on a tiny model with each real vocabulary (two steps, merge, f16 and q8_0 GGUF verified in
+    llama.cpp), the five at once against one Prefect server: each run alone spends most of its ~100 s starting."""
+    from prefect_server import start_server
+
+    root = tmp_path_factory.mktemp("real-vocab-runs")
+    server = start_server(root / "prefect", request.addfinalizer)
+    started = {}
+    for name in VOCABS:
+        path, texts, _ = vocab(name)
+        model_dir = _checkpoint(name, root / name / "model")
+        data = root / name / "d.jsonl"
+        data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts if len(t.strip()) > 8) * 4)
+        spec = root / name / "s.yaml"
+        spec.write_text(
+            f"name: real-{name}\noutput_dir: {root / 'runs'}\nmodel: {{name_or_path: {model_dir}, device: cpu}}\n"
+            "lora: {r: 4, alpha: 8, gradient_checkpointing: false}\n"
+            f"data: {{path: {data}, max_seq_length: 64, eval_fraction: 0}}\n"
+            "train: {micro_batch_size: 2, max_steps: 2, save_steps: 2, seed: 0}\n"
+            "export: {gguf: [f16, q8_0]}\n"
+        )
+        cmd = [sys.executable, "-m", "slimtune.cli", "run", str(spec)]
+        started[name] = subprocess.Popen(cmd, env=server.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = {}
+    for name, proc in started.items():
+        out, err = proc.communicate(timeout=1200)
+        done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), root / "runs" / f"real-{name}")
+    return done
+
+
+@pytest.mark.parametrize("name", list(VOCABS))
+def test_slimtune_run_exports_the_real_vocabulary(name, runs):
+    """The user's path: the run exits 0, each GGUF is written as llama.cpp's own vocabulary (SentencePiece from
+    tokenizer.model with its scores, BPE with the pre-tokenizer llama.cpp names), and llama.cpp's ids on it
+    equal llama.cpp's reference ids on every reference string."""
     path, texts, reference = vocab(name)
-    model_dir = _checkpoint(name, tmp_path / "model")
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts if len(t.strip()) > 8) * 4)
-    spec = tmp_path / "s.yaml"
-    spec.write_text(
-        f"name: real-{name}\noutput_dir: {tmp_path / 'runs'}\nmodel: {{name_or_path: {model_dir}, device: cpu}}\n"
-        "lora: {r: 4, alpha: 8, gradient_checkpointing: false}\n"
-        f"data: {{path: {data}, max_seq_length: 64, eval_fraction: 0}}\n"
-        "train: {micro_batch_size: 2, max_steps: 2, save_steps: 2, seed: 0}\n"
-        "export: {gguf: [f16, q8_0]}\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "slimtune.cli", "run", str(spec)], capture_output=True, text=True, timeout=900
-    )
+    done, run_dir = runs[name]
     assert done.returncode == 0, done.stderr[-3000:]
     for out_type in ("f16", "q8_0"):
-        gguf_path = tmp_path / "runs" / f"real-{name}" / "gguf" / f"real-{name}-{out_type}.gguf"
+        gguf_path = run_dir / "gguf" / f"real-{name}-{out_type}.gguf"
+        written = _gguf_kv(gguf_path)
+        assert (written["tokenizer.ggml.model"], written["tokenizer.ggml.pre"]) == WRITTEN_AS[name]
+        if name == "llama-spm":  # from tokenizer.model: sentencepiece's own scores, not ones derived from merges
+            assert written["tokenizer.ggml.scores"] == _gguf_kv(path)["tokenizer.ggml.scores"]
         llm = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
         got = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
         llm.close()
         bad = [(t, g, r) for t, g, r in zip(texts, got, reference) if g != r]
+        print(f"{name} {out_type}: llama.cpp ids = reference on {len(texts) - len(bad)}/{len(texts)} strings")
+        print(f"{name} {out_type}: llama.cpp ids = reference on {len(texts) - len(bad)}/{len(texts)} strings")
         assert not bad, f"{name} {out_type}: {len(bad)}/{len(texts)} differ, first {bad[0]}"
