@@ -17,6 +17,7 @@ import pytest
 import torch
 from prefect import flow, task
 
+from slimtune.flows.gpu_slots import gpu_concurrency
 from slimtune.memory.clean import clean_memory
 from slimtune.memory.device_usage import outside_allocator_bytes
 from slimtune.memory.downshift import (
@@ -28,7 +29,7 @@ from slimtune.memory.downshift import (
 )
 from slimtune.memory.errors import MemoryPressure, PreflightError, classify, memory_state
 from slimtune.memory.estimate import Estimate
-from slimtune.memory.guard import GuardRecord, gpu_concurrency, guarded, max_memory_with_headroom, preflight
+from slimtune.memory.guard import GuardRecord, guarded, max_memory_with_headroom, preflight
 from slimtune.memory.report import artifact_key, publish_memory_report, publish_task_report
 from slimtune.memory.sampler import PeakSampler
 from slimtune.report import render_memory_markdown

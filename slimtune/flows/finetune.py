@@ -12,6 +12,7 @@ from slimtune import atomic, registry
 from slimtune.charts import publish_memory_chart
 from slimtune.evaluate import held_out_metrics
 from slimtune.flows.crash import crash_downshift
+from slimtune.flows.gpu_slots import gpu_concurrency, gpu_slot
 from slimtune.flows.progress import finish_run, start_stage
 from slimtune.flows.stages import (
     attach_lora_task,
@@ -23,7 +24,7 @@ from slimtune.flows.stages import (
     load_records,
     packed_sft_task,
 )
-from slimtune.memory import gpu_concurrency, gpu_slot, publish_memory_report, resubmit_on_crash
+from slimtune.memory import publish_memory_report, resubmit_on_crash
 from slimtune.overrides import effective_yaml
 from slimtune.report import write_run_report
 from slimtune.run_lock import run_lock

@@ -20,7 +20,7 @@ from slimtune.memory.estimate import (
     estimate_merge,
     estimate_train,
 )
-from slimtune.memory.guard import GuardRecord, gpu_concurrency, gpu_slot, guarded, max_memory_with_headroom, preflight
+from slimtune.memory.guard import GuardRecord, guarded, max_memory_with_headroom, preflight
 from slimtune.memory.report import publish_memory_report, publish_task_report
 
 __all__ = [
@@ -42,8 +42,6 @@ __all__ = [
     "estimate_load_4bit",
     "estimate_merge",
     "estimate_train",
-    "gpu_concurrency",
-    "gpu_slot",
     "guarded",
     "max_memory_with_headroom",
     "preflight",

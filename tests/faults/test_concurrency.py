@@ -1,7 +1,7 @@
 """Two flow runs started against one GPU slot run one after the other, not side by side.
 
 The slot is the Prefect global concurrency limit the design names (`prefect gcl create gpu --limit 1`;
-DESIGN.md, `slimtune.memory.guard.gpu_concurrency`). The model stages are stubbed with tasks that hold for
+DESIGN.md, `slimtune.flows.gpu_slots.gpu_concurrency`). The model stages are stubbed with tasks that hold for
 2 s, so the test measures the flow's own locking and runs in seconds.
 """
 

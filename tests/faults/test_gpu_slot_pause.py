@@ -21,7 +21,7 @@ import pytest
 from prefect_server import Server, start_server
 
 _TAKE = """import sys
-from slimtune.memory.guard import gpu_concurrency
+from slimtune.flows.gpu_slots import gpu_concurrency
 with gpu_concurrency("gpu"):
     print("held", flush=True)
     sys.stdin.read()
