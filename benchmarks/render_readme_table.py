@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Generate the README's "Performance" section from the committed benchmark results.
+"""Generate the "Performance" section of docs/performance.md from the committed benchmark results.
 
     python3 benchmarks/render_readme_table.py                      # section to stdout
     python3 benchmarks/render_readme_table.py --out benchmarks/results/PERFORMANCE.md
-    python3 benchmarks/render_readme_table.py --readme README.md   # rewrite between the markers
+    python3 benchmarks/render_readme_table.py --readme docs/performance.md   # rewrite between the markers
 
 Inputs default to every benchmarks/results/*.json written by runner.py. Several files (a suite split over
 two device calls) are merged row by row; where two files measured the same (model, config, batch, seq),

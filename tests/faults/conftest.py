@@ -2,7 +2,7 @@
 
 Every test here carries `@pytest.mark.fault(fault, stage=..., expect=...)`; the recorder writes one row per
 test (fault, stage, what is expected, what was observed, the outcome) when the session ends, and
-`render_reliability.py` renders the README "Reliability" table from that file, so the table is never
+`render_reliability.py` renders the "Reliability" table of docs/reliability.md from that file, so the table is never
 written by hand. The file is written only when SLIMTUNE_FAULTS_RESULTS names it: a test run never
 changes the checkout, and refreshing the table is a deliberate command (see render_reliability.py).
 """

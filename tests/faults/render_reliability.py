@@ -1,13 +1,13 @@
-"""Render the README "Reliability" section from the fault matrix's results (tests/faults/results.json).
+"""Render the "Reliability" section of docs/reliability.md from the fault matrix's results (tests/faults/results.json).
 
     python tests/faults/render_reliability.py                     # print the section
-    python tests/faults/render_reliability.py --readme README.md  # replace it between the markers
+    python tests/faults/render_reliability.py --readme docs/reliability.md  # replace it between the markers
 
 The table is generated, never edited by hand. To refresh it, run the whole matrix with the recorder on,
 then this script:
 
     SLIMTUNE_FAULTS_RESULTS=tests/faults/results.json python -m pytest tests/faults
-    python tests/faults/render_reliability.py --readme README.md
+    python tests/faults/render_reliability.py --readme docs/reliability.md
 
 Standard library only, so it runs without the package installed.
 """
