@@ -6,7 +6,7 @@ another (benchmarks/README.md), so "product ÷ hand loop" from two processes mix
 the gap. Here one model, prepared as `attach_lora` prepares it (kernels, "unsloth" checkpointing), trains
 in turn through:
 
-- `harness`: the README table's `ours` row as `runner.py` measures it, on a second model built as `runner.py`
+- `harness`: the performance table's `ours` row as `runner.py` measures it, on a second model built as `runner.py`
   builds it (bf16 autocast, fused AdamW, each step bracketed by synchronizes): the hand loop of the table,
   in the product's process;
 - `hand`: a plain loop on the product's model (random unpacked rows, SDPA, fused AdamW, `zero_grad(set_to_none)`);

@@ -1,6 +1,6 @@
 """Benchmark reports: ratios against the HF + peft baseline and the markdown tables, from result dicts.
 
-Used by runner.py (OUT/bench.md) and render_readme_table.py (the README's Performance section), so the
+Used by runner.py (OUT/bench.md) and render_readme_table.py (docs/performance.md's generated section), so the
 committed table and the run's own table can never disagree in layout or rounding.
 """
 

@@ -19,7 +19,7 @@ from ._launch import check_device
 # 512 tokens x 128256 vocab in bf16. At 1B batch 1 the chunk is the step's memory peak: half the earlier 256 MiB
 # took it from 1.51 to 1.45 GiB (Unsloth: 1.47). Smaller chunks cost time: forward + backward at 8B's hidden size
 # took +0.49 ms for 2048 tokens and +0.37 ms for 8192, in steps of 0.23 and 0.71 s (H100,
-# benchmarks/kernels_bench.py --kernels fused_linear_ce; the README's table)
+# benchmarks/kernels_bench.py --kernels fused_linear_ce; the performance table of docs/performance.md)
 CHUNK_BYTES_CAP = 128 << 20
 _CHUNK_BYTES_FLOOR = 32 << 20
 
