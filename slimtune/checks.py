@@ -2,18 +2,29 @@
 
 The spec's own validation (`slimtune.spec`) sees one field at a time; these look outside it: can the run
 directory and PREFECT_HOME be written, is the GPU there, are the model's files readable, do the LoRA
-targets exist in the model (built on the meta device from config.json: no weights, no memory), is the
-push repo id one the Hub accepts. Each problem is one line naming the field or file and the fix; `slimtune validate` and
+targets exist in the model (built on the meta device from config.json: no weights, no memory), do the
+weight files match that model (`slimtune.model_files_check`: their headers only), does the tokenizer fit the
+embeddings and does the data leave examples to train on (`slimtune.data_check`), is the push repo id one the
+Hub accepts. Each problem is one line naming the field or file and the fix; `slimtune validate` and
 `slimtune run` both print them and stop with exit code 2.
+
+What a passing `validate` cannot promise: memory (out-of-memory is the memory guard's), the network (Hub
+downloads and pushes), disk space, and data over 8 MB, whose counts the run checks when it starts, before the
+model loads (`slimtune.data_check`).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from slimtune.bounded import clip
 from slimtune.spec import PipelineSpec
 from slimtune.tiny import is_builtin
+
+if TYPE_CHECKING:
+    import torch
 
 
 def spec_problems(spec: PipelineSpec) -> list[str]:
@@ -25,8 +36,27 @@ def spec_problems(spec: PipelineSpec) -> list[str]:
         from slimtune.model_source import architecture_problem
 
         arch = architecture_problem(spec.model)
-        model_problems = [arch] if arch else _target_problems(spec) + _gguf_tokenizer_problems(spec)
+        model_problems = [arch] if arch else _built_model_problems(spec) + _gguf_tokenizer_problems(spec)
     return problems + model_problems
+
+
+def _built_model_problems(spec: PipelineSpec) -> list[str]:
+    """A local model folder against its config.json (the model built once, on the meta device), then the
+    tokenizer and the data; a Hub model has no weights here to check."""
+    from slimtune.data_check import tokenizer_and_data_problems
+
+    model_dir = _local_model_dir(spec)
+    if model_dir is None:  # a Hub id: the tokenizer and the data still, without the weights
+        return tokenizer_and_data_problems(spec)
+    from slimtune.model_files_check import weight_file_problems
+
+    try:
+        model = meta_model(model_dir)
+    except Exception as e:  # from_pretrained builds the same model first, and would stop on the same error
+        reason = clip(" ".join(str(e).split()), 300) or type(e).__name__
+        return [f"model.name_or_path: {model_dir / 'config.json'} does not build a model ({reason}); fix or replace it"]
+    problems = _target_problems(spec, model_dir, model) + weight_file_problems(spec.model, model_dir, model)
+    return problems + tokenizer_and_data_problems(spec)
 
 
 def _push_problems(spec: PipelineSpec) -> list[str]:
@@ -140,14 +170,19 @@ def _model_file_problems(spec: PipelineSpec) -> list[str]:
     return problems
 
 
-def model_modules(model_dir: Path) -> tuple[list[str], list[str]]:
-    """(every module name, the last name part of every Linear except the output head) of the model in
-    `model_dir`, built on the meta device from config.json: no weights, no memory."""
+def meta_model(model_dir: Path) -> torch.nn.Module:
+    """The model of `model_dir`'s config.json, built on the meta device: shapes, no weights, no memory."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+
+
+def model_modules(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """(every module name, the last name part of every Linear except the output head) of `model`."""
+    import torch
+
     modules = list(model.named_modules())
     linear = {n.rsplit(".", 1)[-1] for n, m in modules if isinstance(m, torch.nn.Linear)} - {"lm_head"}
     return [n for n, _ in modules if n], sorted(linear)
@@ -170,10 +205,9 @@ def _gguf_tokenizer_problems(spec: PipelineSpec) -> list[str]:
     return [problem] if problem else []
 
 
-def _target_problems(spec: PipelineSpec) -> list[str]:
+def _target_problems(spec: PipelineSpec, model_dir: Path, model: torch.nn.Module) -> list[str]:
     targets = spec.lora.target_modules
-    model_dir = _local_model_dir(spec)
-    if targets == "all-linear" or model_dir is None:
+    if targets == "all-linear":
         return []
     import json
 
@@ -184,7 +218,7 @@ def _target_problems(spec: PipelineSpec) -> list[str]:
         targets = lora_target_modules(model_type, targets)
     except ValueError as e:
         return [str(e)]
-    names, linear = model_modules(model_dir)
+    names, linear = model_modules(model)
     # peft matches a target against a module name exactly or as its dotted suffix
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if not missing:

@@ -71,7 +71,10 @@ def _pipeline_form_schema(schema: dict[str, Any]) -> None:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, json_schema_extra=_form_schema)
+    # allow_inf_nan=False: `alpha: .inf` or `max_grad_norm: .nan` passed every bound and trained to NaN
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, allow_inf_nan=False, json_schema_extra=_form_schema
+    )
 
     @field_validator("*", mode="before")
     @classmethod
@@ -281,7 +284,9 @@ class TrainSpec(_Section):
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="Autocast dtype: auto = bf16 where supported, fp16 otherwise, fp32 on CPU."
     )
-    seed: int = Field(0, ge=0, description="Seed for init, dropout and data order.")
+    seed: int = Field(
+        0, ge=0, le=2**32 - 1, description="Seed for init, dropout and data order, in [0, 2^32) (numpy's range)."
+    )
     logging_steps: int = Field(1, gt=0, description="Log every N steps.")
     eval_steps: int | None = Field(None, gt=0, description="Eval loss every N steps (None: at the end).")
     save_steps: int = Field(50, gt=0, description="Checkpoint every N steps.")
@@ -368,7 +373,12 @@ class MergeSpec(_Section):
     output_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Dtype of the merged weights; auto = the base checkpoint's dtype."
     )
-    max_shard_size_gb: float = Field(2.0, gt=0, description="Largest safetensors shard, in GB.")
+    max_shard_size_gb: float = Field(
+        2.0,
+        ge=0.001,
+        description="Largest safetensors shard, in GB; at least 0.001 (1 MB): below a byte the merge had no size "
+        "to fill (it rounded to 0), and below 1 MB every tensor is a file of its own.",
+    )
 
 
 class PushSpec(_Section):

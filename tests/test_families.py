@@ -122,8 +122,9 @@ def test_cli_refuses_a_moe_model_before_any_work(tmp_path, capsys, command, moe)
     model_dir = save_tiny(tmp_path / "moe", "qwen2")  # real files; only the config says mixture-of-experts
     cfg = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**cfg, **moe}))
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    data = tmp_path / "d.jsonl"  # with a reply: validate refuses data that leaves no token to train on
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    data.write_text(json.dumps({"messages": chat}) + "\n")
     spec = tmp_path / "spec.yaml"
     fields = {"name": "moe", "model": {"name_or_path": str(model_dir)}, "data": {"path": str(data)}}
     spec.write_text(yaml.safe_dump(fields))
@@ -159,8 +160,9 @@ def test_validate_maps_lora_targets_to_fused_projections(tmp_path, targets, prob
     from slimtune.spec import parse_spec
 
     model_dir = save_tiny(tmp_path / "phi3", "phi3")
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    data = tmp_path / "d.jsonl"  # with a reply: validate refuses data that leaves no token to train on
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    data.write_text(json.dumps({"messages": chat}) + "\n")
     raw = {"name": "p", "output_dir": str(tmp_path / "runs"), "model": {"name_or_path": str(model_dir)}}
     raw |= {"data": {"path": str(data)}, "lora": {} if targets is None else {"target_modules": targets}}
     problems = spec_problems(parse_spec(raw))

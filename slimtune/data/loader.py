@@ -177,6 +177,12 @@ def _load_mix(data: DataSpec, tokenizer) -> Examples:
                 "train_tokens_used": sum(len(e.input_ids) for e in used),
             }
         )
+    if not train:  # each weight below 1 rounded its share to 0 examples
+        shares = ", ".join(f"{s['path']}: {s['train_examples']} x {s['weight']}" for s in per_source)
+        raise DataError(
+            f"data.sources: the weights leave no training example ({shares}, each rounded to 0); raise a "
+            "source's weight to at least 0.5 / its examples, or add data"
+        )
     total.train_examples, total.eval_examples = len(train), len(held_out)
     total.train_tokens = sum(len(e.input_ids) for e in train)
     total.target_tokens = sum(sum(t != IGNORE_INDEX for t in e.labels) for e in train)
