@@ -116,7 +116,10 @@ def check_model_dir(model: ModelSpec, model_dir: Path) -> dict:
     has_pickle = any(p.suffix in _PICKLE_SUFFIXES for p in model_dir.iterdir())
     if not has_safetensors:
         if not has_pickle:
-            raise ModelSourceError(f"model.name_or_path: no weights (*.safetensors) in {model_dir}")
+            raise ModelSourceError(
+                f"model.name_or_path: no weights (*.safetensors) in {model_dir}; download the whole model "
+                "(`hf download ID --local-dir DIR`) or point at the folder that has them"
+            )
         if not model.allow_pickle:
             raise ModelSourceError(
                 f"model.allow_pickle: {model_dir} holds only pickle weights (.bin/.pt), which can run code "
