@@ -24,6 +24,9 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 TARGET = REPO / "prefect.yaml"
 ENTRYPOINT = "slimtune/flows/finetune.py:finetune"
+# Merge and GGUF of runs whose spec sets `pools.export: <pool>` run as the deployment `finetune-export/<pool>`
+# (slimtune/flows/export.py); the finetune run fills its parameters and job variables.
+EXPORT_ENTRYPOINT = "slimtune/flows/export.py:finetune_export"
 WORK_POOL = "gpu-hosts"
 CPU_POOL = "cpu-hosts"
 # The flow holds one slot per GPU of the global concurrency limit SLIMTUNE_GPU_SLOT names ("gpu" by default);
@@ -76,6 +79,7 @@ HEADER = """\
 #   prefect work-pool set-concurrency-limit gpu-hosts <number of GPUs across all hosts>
 #   prefect work-pool create cpu-hosts --type process --base-job-template deployments/process/gpu-hosts.json
 #   prefect deploy --all
+# finetune-export/cpu-hosts takes merge and GGUF of specs that set pools.export: cpu-hosts (a shared run directory).
 # CPU specs (model.device: cpu) go to cpu-hosts; GPU specs to gpu-hosts, on the queue of workers that see
 # train.num_gpus GPUs (default, gpus-2, ...). A GPU example's schedule stays inactive while its spec trains
 # on the sample data or pushes to your-org/...; edit the spec and re-render to turn it on.
@@ -153,6 +157,17 @@ def render() -> str:
                 "work_pool": placement(params["spec"]),
             }
         )
+    deployments.append(
+        {
+            "name": CPU_POOL,
+            "description": f"Merge, GGUF and push for runs whose spec sets pools.export: {CPU_POOL}",
+            "entrypoint": EXPORT_ENTRYPOINT,
+            "tags": ["export", "cpu"],
+            "parameters": {},
+            "schedules": [],
+            "work_pool": {"name": CPU_POOL, "work_queue_name": "default", "job_variables": {}},
+        }
+    )
     body = {
         "name": "slimtune",
         "prefect-version": "3.8.8",
@@ -179,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = TARGET.with_name(f".{TARGET.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(TARGET)
-    print(f"wrote {TARGET} ({len(DEPLOYMENTS)} deployments)")
+    print(f"wrote {TARGET} ({len(DEPLOYMENTS) + 1} deployments)")
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slimtune.memory.estimate import Estimate, estimate_export, estimate_load_4bit, estimate_merge, estimate_train
 from slimtune.spec import PipelineSpec
@@ -227,6 +228,115 @@ def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan]
     return rows, limits
 
 
+# GPU memory of the cards a pool is likely made of, GiB (T4 16, A10 24, L40S 48, A100/H100 80, H200 141,
+# B200 180): a stage's class is the smallest that holds its estimate, the card a fleet must route it to.
+GPU_MEMORY_CLASSES_GIB = (8, 12, 16, 24, 32, 40, 48, 80, 96, 141, 180)
+# The stages each pool runs: training holds the NF4 model on its GPUs until cleanup; merge and GGUF read
+# only files from the run directory, so they can run on another host (`pools.export`).
+POOL_STAGES = {
+    "train": ("load_4bit", "attach_lora", "packed_sft", "cleanup"),
+    "export": ("dequant_merge", "gguf_convert_and_push"),
+}
+
+
+@dataclass(frozen=True)
+class PoolNeeds:
+    """What one work pool's host must offer for its stages: the figures the job templates take as variables.
+
+    Attributes:
+        pool: the work pool (`pools.export` for the export stages; None: the deployment's own pool).
+        stages: the stages it runs, in pipeline order.
+        gpus: GPUs (0: a CPU host).
+        gpu_memory_gib: GPU memory each GPU needs, rounded up to a whole GiB (0 without GPUs).
+        gpu_memory_class_gib: the smallest of `GPU_MEMORY_CLASSES_GIB` that holds it (0 without GPUs).
+        host_memory_gib: host memory, rounded up to a whole GiB.
+        disk_gib: free disk in the run directory, rounded up to a whole GiB.
+    """
+
+    pool: str | None
+    stages: tuple[str, ...]
+    gpus: int
+    gpu_memory_gib: int
+    gpu_memory_class_gib: int
+    host_memory_gib: int
+    disk_gib: int
+
+
+def _ceil_gib(n: int) -> int:
+    return -(-n // _GIB)
+
+
+def pool_needs(spec: PipelineSpec, rows: list[StagePlan]) -> list[PoolNeeds]:
+    """The pools a run uses and what each needs, from the plan's per-stage estimates.
+
+    One pool runs every stage unless `pools.export` names another for merge and GGUF; there those stages run
+    on the CPU, so the merge's device working set (less the CUDA context) is counted in host memory. Disk is
+    the largest stage's: each stage's estimate is what it adds to the run directory.
+    """
+    gpu_run = spec.model.device != "cpu"
+    groups = [(None, POOL_STAGES["train"] + POOL_STAGES["export"])]
+    if spec.pools.export:
+        groups = [(None, POOL_STAGES["train"]), (spec.pools.export, POOL_STAGES["export"])]
+    needs = []
+    for pool, stages in groups:
+        ests = [r.estimate for r in rows if r.stage in stages]
+        on_gpu = gpu_run and pool is None
+        host = max((e.host_bytes + (0 if on_gpu else e.gpu_bytes - e.context_gpu_bytes) for e in ests), default=0)
+        gpu_gib = _ceil_gib(max((e.gpu_bytes for e in ests), default=0)) if on_gpu else 0
+        gpu_class = next((c for c in GPU_MEMORY_CLASSES_GIB if c >= gpu_gib), gpu_gib) if on_gpu else 0
+        needs.append(
+            PoolNeeds(
+                pool=pool,
+                stages=stages,
+                gpus=spec.train.num_gpus if on_gpu else 0,
+                gpu_memory_gib=gpu_gib,
+                gpu_memory_class_gib=gpu_class,
+                host_memory_gib=_ceil_gib(host),
+                disk_gib=_ceil_gib(max((e.disk_bytes for e in ests), default=0)),
+            )
+        )
+    return needs
+
+
+# GPU feature discovery labels each GPU node with its cards' memory in MiB (an 80 GB H100 reads 81559).
+GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
+
+
+def job_variables(needs: PoolNeeds, pool_type: str) -> dict[str, Any]:
+    """The job variables that place a flow run of a `pool_type` pool ("process", "kubernetes") as `needs` says.
+
+    Both base job templates take the four figures as variables (deployments/process/gpu-hosts.json passes them
+    to the flow run as SLIMTUNE_* environment variables: a process worker reserves nothing;
+    deployments/kubernetes/gpu-job-template.json turns them into requests and limits). On Kubernetes a GPU
+    stage also gets a node affinity on the GPU memory label, and a CPU stage drops the GPU node selector.
+    """
+    variables: dict[str, Any] = {
+        "gpus": needs.gpus,
+        "gpu_memory_gib": needs.gpu_memory_gib,
+        "host_memory_gib": max(needs.host_memory_gib, 1),
+        "disk_gib": max(needs.disk_gib, 1),
+    }
+    if pool_type != "kubernetes":
+        return variables
+    del variables["gpu_memory_gib"]  # Kubernetes schedules on it through the affinity below
+    if not needs.gpus:  # the template's GPU node selector would keep a CPU stage off CPU nodes
+        return {**variables, "node_selector": {}, "affinity": {}}
+    term = {"key": GPU_MEMORY_LABEL, "operator": "Gt", "values": [str(needs.gpu_memory_gib * 1024 - 1)]}
+    selector = {"nodeSelectorTerms": [{"matchExpressions": [term]}]}
+    return {**variables, "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": selector}}}
+
+
+def _render_needs(needs: PoolNeeds) -> str:
+    """One pool's line; a CPU pool's names no GPU figure at all."""
+    gpu = (
+        f"{needs.gpus} GPU x {needs.gpu_memory_gib} GiB (class {needs.gpu_memory_class_gib} GiB), "
+        if needs.gpus
+        else ""
+    )
+    where = f"pool {needs.pool}" if needs.pool else "the deployment's pool"
+    return f"- {where}: {', '.join(needs.stages)}: {gpu}host {needs.host_memory_gib} GiB, disk {needs.disk_gib} GiB"
+
+
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / _GIB:.2f} GiB"
 
@@ -263,4 +373,6 @@ def render(spec: PipelineSpec, rows: list[StagePlan], limits: dict, budget: Budg
             f"largest micro-batch that fits at {spec.data.max_seq_length} tokens: {best or 'none'}; "
             f"largest sequence length at micro-batch {limits['micro_batch']}: {limits['largest_seq_len'] or 'none'}"
         )
+    lines.append("pools (the job variables a deployment's run fills, docs/deployments.md):")
+    lines += [_render_needs(n) for n in pool_needs(spec, rows)]
     return "\n".join(lines)

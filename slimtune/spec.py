@@ -489,6 +489,18 @@ class GuardSpec(_Section):
     )
 
 
+class PoolsSpec(_Section):
+    """Which work pool runs which stages, for a flow run started from a deployment (docs/deployments.md)."""
+
+    export: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+        description="Work pool for dequant_merge and gguf_convert_and_push (e.g. cpu-hosts: host memory and "
+        "disk as `slimtune plan` shows): the run hands them to the deployment finetune-export/ + this name; the "
+        "run directory must be on a filesystem both pools mount. None: in the training process.",
+    )
+
+
 class PipelineSpec(_Section):
     """One fine-tuning run: base model -> LoRA training -> merged model -> GGUF."""
 
@@ -508,6 +520,7 @@ class PipelineSpec(_Section):
     export: ExportSpec = Field(default_factory=ExportSpec)
     guard: GuardSpec = Field(default_factory=GuardSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
+    pools: PoolsSpec = Field(default_factory=PoolsSpec)
     resubmits: int = Field(0, ge=0, description="Set by the crash hook: how often this run was re-submitted.")
 
     @model_validator(mode="after")

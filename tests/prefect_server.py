@@ -137,11 +137,12 @@ def start_worker(
     *,
     cwd: Path | None = None,
     limit: int | None = None,
+    log: str = "worker.log",
 ) -> subprocess.Popen:
-    """Start a process worker on `pool`; its log is `worker.log` under the server's home."""
+    """Start a process worker on `pool`; its log is `log` under the server's home (one per worker)."""
     cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"]
     if limit is not None:
         cmd += ["--limit", str(limit)]
-    worker = start(cmd, server.env, server.home / "worker.log", cwd=cwd)
+    worker = start(cmd, server.env, server.home / log, cwd=cwd)
     finalize(lambda: stop(worker))
     return worker

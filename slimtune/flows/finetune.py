@@ -12,14 +12,12 @@ from slimtune import atomic, registry
 from slimtune.charts import publish_memory_chart
 from slimtune.evaluate import held_out_metrics
 from slimtune.flows.crash import crash_downshift
+from slimtune.flows.export import export_on_pool, export_stages, hands_off
 from slimtune.flows.gpu_slots import gpu_concurrency, gpu_slot
 from slimtune.flows.progress import finish_run, start_stage
 from slimtune.flows.stages import (
     attach_lora_task,
     cleanup_task,
-    dequant_merge_task,
-    eval_prompts_task,
-    gguf_task,
     load_4bit_task,
     load_records,
     packed_sft_task,
@@ -59,33 +57,35 @@ def finetune(spec: PipelineSpec) -> dict:
     examples = prepare_data(spec, plan.model_dir)  # bad data fails here, before any model is loaded
     baseline = MemorySnapshot.take().to_dict()
     summary: dict = {"spec": spec.model_dump(mode="json")}
-    load, attach, train, clean, merge, export = (
+    load, attach, train, clean = (
         t.with_options(retries=spec.guard.max_retries)
-        for t in (load_4bit_task, attach_lora_task, packed_sft_task, cleanup_task, dequant_merge_task, gguf_task)
+        for t in (load_4bit_task, attach_lora_task, packed_sft_task, cleanup_task)
     )
+    remote = spec.merge.enabled and hands_off(spec)
     try:
-        # one run per run dir, then its GPUs: the limit counts GPUs, a 2-GPU run holds 2 slots
-        with run_lock(spec.run_dir()), gpu_concurrency(gpu_slot(), gpus=spec.train.num_gpus):
-            atomic.write_text(spec.run_dir() / "spec.effective.yaml", effective_yaml(spec))  # what ran
-            start_stage(spec, plan, "load_4bit")
-            summary["load_4bit"] = loaded = load(spec, plan)
-            start_stage(spec, plan, "attach_lora")
-            summary["attach_lora"] = lora = attach(spec, plan, loaded["handle"])
-            start_stage(spec, plan, "packed_sft")
-            summary["packed_sft"] = trained = train(spec, plan, lora["handle"], lora["checkpointing_handle"], examples)
-            summary["evaluation"] = held_out_metrics(trained)
-            start_stage(spec, plan, "cleanup")
-            summary["cleanup"] = clean(spec, plan, baseline)
+        with run_lock(spec.run_dir()):  # one run per run dir
+            # then its GPUs: the limit counts GPUs, a 2-GPU run holds 2 slots
+            with gpu_concurrency(gpu_slot(), gpus=spec.train.num_gpus):
+                atomic.write_text(spec.run_dir() / "spec.effective.yaml", effective_yaml(spec))  # what ran
+                start_stage(spec, plan, "load_4bit")
+                summary["load_4bit"] = loaded = load(spec, plan)
+                start_stage(spec, plan, "attach_lora")
+                summary["attach_lora"] = lora = attach(spec, plan, loaded["handle"])
+                start_stage(spec, plan, "packed_sft")
+                summary["packed_sft"] = trained = train(
+                    spec, plan, lora["handle"], lora["checkpointing_handle"], examples
+                )
+                summary["evaluation"] = held_out_metrics(trained)
+                start_stage(spec, plan, "cleanup")
+                summary["cleanup"] = clean(spec, plan, baseline)
+                if spec.merge.enabled and not remote:
+                    exported = export_stages(spec, plan, trained["adapter_dir"], _card_facts(summary))
+            if remote:  # the GPUs are free again: merge and GGUF run on the pools.export pool meanwhile
+                exported = export_on_pool(spec, plan, trained["adapter_dir"], _card_facts(summary))
             if spec.merge.enabled:
-                start_stage(spec, plan, "dequant_merge")
-                summary["dequant_merge"] = merged = merge(spec, plan, trained["adapter_dir"])
-                if spec.eval.prompts:
-                    summary["evaluation"]["prompts"] = eval_prompts_task(spec, plan, merged["out_dir"])
-                if spec.export.gguf or spec.export.push:
-                    start_stage(spec, plan, "gguf_convert_and_push")
-                    summary["gguf_convert_and_push"] = export(
-                        spec, plan, merged["out_dir"], trained["adapter_dir"], _card_facts(summary)
-                    )
+                if "prompts" in exported:
+                    summary["evaluation"]["prompts"] = exported.pop("prompts")
+                summary.update(exported)
     finally:
         registry.release_all()  # also on failure: a failed run must not pin a model in this process
         records = load_records(spec.run_dir() / "memory")
