@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -201,7 +202,9 @@ def grid_cells(key: str, kernels: str) -> list[dict]:
     return sorted(cells, key=lambda c: (c["micro_batch"] * c["seq_len"], str(c["checkpointing"])))
 
 
-def _e2e(root: Path, budget_gib: float, mb: int | str, ckpt: str, merge: bool, out: Path, timeout: float) -> dict:
+def _e2e(
+    root: Path, budget_gib: float, mb: int | str, ckpt: str, merge: bool, out: Path, timeout: float, steps: int = 3
+) -> dict:
     """`slimtune run` on the 8B shape under a budget, preflight on; the guard records per stage."""
     import torch
 
@@ -209,7 +212,7 @@ def _e2e(root: Path, budget_gib: float, mb: int | str, ckpt: str, merge: bool, o
     name = f"e2e-8b-{budget_gib:g}gib-mb{mb}" + ("-merge" if merge else "")
     raw = _base_spec(root / "model-8b", root / "calib.jsonl", root / "runs", name)
     raw["lora"]["gradient_checkpointing"] = ckpt
-    raw["train"].update(micro_batch_size=mb, max_steps=3)
+    raw["train"].update(micro_batch_size=mb, max_steps=steps)
     raw["merge"] = {"enabled": merge}
     raw["export"] = {"gguf": ["f16"] if merge else [], "verify": False}
     raw["guard"] = {"gpu_memory_fraction": round(budget_gib * GiB / total, 4), "preflight": True}
@@ -218,6 +221,7 @@ def _e2e(root: Path, budget_gib: float, mb: int | str, ckpt: str, merge: bool, o
     t0 = time.time()
     proc, device_peak = _run_sampled([sys.executable, "-m", "slimtune.cli", "run", str(spec_path)], root, timeout)
     run_dir = root / "runs" / name
+    log_lines = (proc.stdout + proc.stderr).splitlines()
     stages = {}
     for f in sorted((run_dir / "memory").glob("*.json")):
         stages[f.stem] = json.loads(f.read_text())
@@ -237,6 +241,9 @@ def _e2e(root: Path, budget_gib: float, mb: int | str, ckpt: str, merge: bool, o
         "device_peak_gib": round(device_peak / GiB, 3) if device_peak is not None else None,
         "train": {k: train.get(k) for k in ("micro_batch_size", "gradient_accumulation_steps", "steps", "batching")},
         "stages": stages,
+        # each logged step's tokens/s, and whether the layers' backward ran as CUDA graphs
+        "tok_s": [int(m) for m in re.findall(r"tok/s (\d+)", proc.stdout + proc.stderr)],
+        "cuda_graphs": next((ln.split(" - ")[-1] for ln in log_lines if "CUDA graphs" in ln), None),
         "last_line": (proc.stderr.strip().splitlines() or [""])[-1] if proc.returncode else proc.stdout.strip()[-200:],
     }
 
@@ -286,6 +293,7 @@ def main() -> int:
     p.add_argument("--models", default="8b")
     p.add_argument("--kernels", default="auto")
     p.add_argument("--e2e", default="", help="BUDGET_GIB:MICRO_BATCH:CHECKPOINTING[:merge],... `slimtune run`s")
+    p.add_argument("--e2e-steps", type=int, default=3, help="optimizer steps of each e2e run")
     p.add_argument("--root", default="/tmp/calib")
     p.add_argument("--out", required=True)
     p.add_argument("--budget-s", type=float, default=540)
@@ -335,7 +343,7 @@ def main() -> int:
             continue
         try:
             size = mb if mb == "auto" else int(mb)
-            e2e.append(_e2e(root, float(budget), size, ckpt, merge == ["merge"], out, left - 15))
+            e2e.append(_e2e(root, float(budget), size, ckpt, merge == ["merge"], out, left - 15, args.e2e_steps))
         except subprocess.TimeoutExpired as exc:
             e2e.append({"run": item, "outcome": "stopped at the time budget"})
             log = [x.decode() if isinstance(x, bytes) else x or "" for x in (exc.stdout, exc.stderr)]
