@@ -40,6 +40,7 @@ class Family:
     eager: dict[str, str]  # every other kernel -> why that part stays eager here
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # fused linear -> the projections it holds
+    frozen_linears: tuple[str, ...] = ()  # a layer's other linears, which the default targets leave frozen
     # The projection whose output is only summed into the residual stream (no norm reads it), so a
     # checkpointing recompute may skip computing it; None where a post-norm reads it (Gemma 2/3, OLMo 2).
     layer_output: str | None = "mlp.down_proj"
@@ -159,6 +160,83 @@ def _granite_check(config: dict[str, Any]) -> str | None:
     head_dim = config.get("head_dim")
     if head_dim and head_dim != config["hidden_size"] // config["num_attention_heads"]:
         return f"head_dim {head_dim} is not hidden_size / num_attention_heads, which llama.cpp's granite assumes"
+    return None
+
+
+def _smollm3_check(config: dict[str, Any]) -> str | None:
+    """llama.cpp's smollm3 hard-codes its NoPE layers (every 4th: layer i skips RoPE where (i + 1) % 4 == 0) and
+    has no sliding window; refuse a config whose layers differ, which no GGUF key could tell llama.cpp."""
+    n = int(config["num_hidden_layers"])
+    interval = int(config.get("no_rope_layer_interval") or 4)
+    uses_rope = [bool(r) for r in config.get("no_rope_layers") or [(i + 1) % interval != 0 for i in range(n)]][:n]
+    if uses_rope != [(i + 1) % 4 != 0 for i in range(n)]:
+        nope = [i for i, r in enumerate(uses_rope) if not r]
+        return f"NoPE layers {nope} differ from every 4th layer (3, 7, ...), which llama.cpp's smollm3 hard-codes"
+    # transformers' default layer_types make the NoPE layers the sliding ones
+    types = config.get("layer_types") or ["full_attention" if r else "sliding_attention" for r in uses_rope]
+    if config.get("use_sliding_window") and config.get("sliding_window") and "sliding_attention" in types:
+        return "sliding-window layers (use_sliding_window); llama.cpp's smollm3 attends to the whole context"
+    return None
+
+
+def gemma4_sliding_layers(config: dict[str, Any]) -> list[bool]:
+    """Per Gemma 4 layer, True where attention is sliding-window (transformers' default: five of every six)."""
+    return _layer_types(config, lambda i: (i + 1) % 6 != 0)
+
+
+def full_attention_head_dim(config: dict[str, Any]) -> int:
+    """The head size of full-attention layers: Gemma 4's `global_head_dim` (transformers 5 saves it as the full
+    layers' `per_layer_config` head_dim), else `head_dim`."""
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    if config.get("global_head_dim"):
+        return int(config["global_head_dim"])
+    full = [i for i, sliding in enumerate(_layer_types(config, lambda i: False)) if not sliding]
+    per_layer = config.get("per_layer_config") or {}
+    return next((int(per_layer[str(i)]["head_dim"]) for i in full if "head_dim" in per_layer.get(str(i), {})), head_dim)
+
+
+def _gemma4_hparams(config: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's gemma4 loader reads: full-attention head sizes in key/value_length, sliding ones in *_swa,
+    the per-layer window pattern, how many trailing layers reuse earlier layers' KV, and the per-layer input width."""
+    head_dim, full = int(config["head_dim"]), full_attention_head_dim(config)
+    sliding = gemma4_sliding_layers(config)
+    swa_rope = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
+    n, shared = int(config["num_hidden_layers"]), int(config.get("num_kv_shared_layers") or 0)
+    wide = 2 if config.get("use_double_wide_mlp") else 1  # use_double_wide_mlp: KV-shared layers have 2x the MLP
+    return {
+        gguf.Keys.LLM.FEED_FORWARD_LENGTH: [
+            config["intermediate_size"] * (wide if i >= n - shared else 1) for i in range(n)
+        ],
+        gguf.Keys.Attention.KEY_LENGTH: full,
+        gguf.Keys.Attention.VALUE_LENGTH: full,
+        gguf.Keys.Attention.KEY_LENGTH_SWA: head_dim,
+        gguf.Keys.Attention.VALUE_LENGTH_SWA: head_dim,
+        gguf.Keys.Rope.DIMENSION_COUNT: full,  # proportional rope: the rope_freqs tensor stops the unrotated pairs
+        gguf.Keys.Rope.DIMENSION_COUNT_SWA: int(head_dim * float(swa_rope.get("partial_rotary_factor", 1.0))),
+        gguf.Keys.Attention.SLIDING_WINDOW: config["sliding_window"],
+        gguf.Keys.Attention.SLIDING_WINDOW_PATTERN: sliding,
+        gguf.Keys.Attention.SHARED_KV_LAYERS: shared,
+        gguf.Keys.LLM.EMBD_LENGTH_PER_LAYER_INP: int(config.get("hidden_size_per_layer_input") or 0),
+        "{arch}.rope.freq_base_swa": _local_rope_theta(config),
+        # llama.cpp's gemma4 caps at 30 unless told (0 turns it off); transformers caps only where the config says
+        gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING: float(config.get("final_logit_softcapping") or 0.0),
+    }
+
+
+def _gemma4_check(config: dict[str, Any]) -> str | None:
+    """What llama.cpp's gemma4 (0.3.36) cannot reproduce, or slimtune does not train."""
+    if config.get("enable_moe_block"):
+        return "the mixture-of-experts block (Gemma 4 26B-A4B) is not supported"
+    if config.get("hidden_size_per_layer_input") and config.get("vocab_size_per_layer_input") != config["vocab_size"]:
+        return "vocab_size_per_layer_input differs from vocab_size; llama.cpp reads one per-layer row per token"
+    shared = int(config.get("num_kv_shared_layers") or 0)
+    if shared:
+        # llama.cpp: a shared layer reads the last unshared global layer's KV, or the one before it for sliding
+        # layers; transformers reads the last unshared layer of the same type
+        sliding = gemma4_sliding_layers(config)
+        first = int(config["num_hidden_layers"]) - shared
+        if first < 2 or sliding[first - 1] or not sliding[first - 2]:
+            return f"the last unshared layers ({first - 2}, {first - 1}) must be sliding then global for llama.cpp"
     return None
 
 
@@ -293,6 +371,40 @@ _ROWS = (
         chat_template="gemma",
     ),
     Family(
+        "gemma4_text",
+        "Gemma4ForCausalLM",
+        "Gemma4TextConfig",
+        # Six layers (five sliding, one global with a 128-wide head and proportional rope) with per-layer inputs;
+        # KV sharing needs more layers of each type than the 1-2 layer builds have: tests/test_family_gemma4.py.
+        tiny={
+            "head_dim": 64,
+            "global_head_dim": 128,
+            "tie_word_embeddings": True,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": 16,
+            "num_hidden_layers": 6,
+            "hidden_size_per_layer_input": 64,
+        },
+        kernels=("geglu", "fused_linear_ce", "lora_nf4"),
+        eager={
+            "rms_norm": "v_norm has no weight, and the norms multiply by the weight before casting back",
+            "rope": "attention normalises v, shares KV across layers and rotates part of the global heads",
+            "swiglu": _NOT_SILU,
+            "host_embedding": "the input embedding is a scaled subclass (Gemma4TextScaledWordEmbedding)",
+        },
+        frozen_linears=("per_layer_input_gate", "per_layer_projection"),
+        layer_output=None,
+        tied_default=True,
+        qk_norm="head",
+        layer_norms=5,  # Gemma 3's four and the per-layer input's post-norm (v_norm has no weight)
+        sliding_window_kwarg=True,
+        gguf_arch=gguf.MODEL_ARCH.GEMMA4,
+        gguf_hparams=_gemma4_hparams,
+        check_config=_gemma4_check,
+        tokenizer_pre="gemma4 (llama.cpp's own tokenizer model)",
+        chat_template="gemma4",
+    ),
+    Family(
         "phi3",
         "Phi3ForCausalLM",
         "Phi3Config",
@@ -337,6 +449,22 @@ _ROWS = (
         check_config=_granite_check,
         tokenizer_pre="refact",
         chat_template="granite",
+    ),
+    Family(
+        "smollm3",
+        "SmolLM3ForCausalLM",
+        "SmolLM3Config",
+        # SmolLM3-3B's tied head; its NoPE layers come from the config's default (every 4th: the tiny's layer 3)
+        tiny={"tie_word_embeddings": True},
+        kernels=_LLAMA_KERNELS,  # rope is patched on the RoPE layers only; NoPE layers keep their own forward
+        eager={"geglu": _NOT_GELU},
+        tied_default=True,
+        sliding_window_kwarg=True,
+        gguf_arch=gguf.MODEL_ARCH.SMOLLM3,
+        permute_qk=True,  # llama.cpp's smollm3 uses LLAMA-style rope (its converter is the llama one)
+        check_config=_smollm3_check,
+        tokenizer_pre="llama-bpe",
+        chat_template="smollm3 (ChatML with a /think, /no_think system header)",
     ),
     Family(
         "olmo2",

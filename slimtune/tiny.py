@@ -158,8 +158,10 @@ def build_model(family: str, vocab_size: int, seed: int = 0, **overrides) -> tor
     if family not in _TABLE:
         raise ValueError(f"unknown tiny family {family!r}; choose one of {', '.join(FAMILIES)}")
     row = _TABLE[family]
+    # Gemma 4's per-layer embeddings have one row per token, as in the released checkpoints
+    per_token = {"vocab_size_per_layer_input": vocab_size} if "hidden_size_per_layer_input" in row.tiny else {}
     cfg = getattr(transformers, row.config_class)(
-        **{**_COMMON, **row.tiny, **overrides},
+        **{**_COMMON, **row.tiny, **per_token, **overrides},
         vocab_size=vocab_size,
         bos_token_id=None,
         eos_token_id=None,

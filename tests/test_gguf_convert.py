@@ -60,7 +60,10 @@ def _expected_gguf_tensors(model_dir: Path, family: str) -> dict[str, np.ndarray
             w = w[order]
         if row.norm_offset and key.endswith("norm.weight"):  # Gemma's (1 + w) norms
             w = w + 1.0
-        out[name_map.get_name(key, try_suffixes=(".weight", ".bias"))] = w
+        name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
+        out[name if name.endswith((".weight", ".bias")) else f"{name}.weight"] = w  # Gemma 4's bare layer_scalar
+    if family == "gemma4_text":  # its global layers rotate 1/4 of the 128-wide head: 16 of 64 pairs, 48 stopped
+        out["rope_freqs.weight"] = np.array([1.0] * 16 + [1e30] * 48, dtype=np.float32)
     return out
 
 
@@ -91,10 +94,11 @@ def test_every_tensor_round_trips(tiny_dirs, tmp_path, family):
         np.testing.assert_array_equal(np.asarray(t.data).reshape(want.shape), want, err_msg=name)
 
     arch = _field(reader, "general.architecture")
-    assert arch == {"mistral": "llama", "gemma3_text": "gemma3"}.get(family, family)
+    assert arch == {"mistral": "llama", "gemma3_text": "gemma3", "gemma4_text": "gemma4"}.get(family, family)
     assert _field(reader, f"{arch}.attention.head_count") == 4
     assert _field(reader, f"{arch}.attention.head_count_kv") == 2
-    assert _field(reader, f"{arch}.attention.key_length") == 64
+    # Gemma 4: key_length is the global layers' head, key_length_swa the sliding layers'
+    assert _field(reader, f"{arch}.attention.key_length") == (128 if family == "gemma4_text" else 64)
     cfg = json.loads((model_dir / "config.json").read_text())
     assert _field(reader, f"{arch}.block_count") == cfg["num_hidden_layers"]
     assert _field(reader, "general.file_type") == int(gguf.LlamaFileType.ALL_F32)

@@ -83,7 +83,12 @@ def _tensor_types(path: Path) -> dict[str, Q]:
 def _f32_tolerance(family: str) -> float:
     # f32 weights and f32 KV cache: op-order noise only (~1e-6), except where the MLP is GELU: ggml reads
     # GELU from an fp16 table (gemma2 measured 5.8e-4, gemma3_text 7.2e-4; emulating the table in HF
-    # leaves 2-3e-4, the rest of ggml's fused GeGLU), so those are held to 1e-3
+    # leaves 2-3e-4, the rest of ggml's fused GeGLU), so those are held to 1e-3. Gemma 4 runs a second GELU per
+    # layer (the per-layer input gate) whose output multiplies the per-layer input: 0.026 measured, 0.0020 with
+    # the fp16 table emulated in HF (tests/test_family_gemma4.py does); held to 0.05, where rotating its global
+    # heads whole measured 0.24
+    if family == "gemma4_text":
+        return 0.05
     return 1e-3 if "gelu" in str(TABLE[family].tiny.get("hidden_activation")) else 1e-4
 
 
@@ -100,7 +105,14 @@ def test_f32_gguf_logits_match_hf(llama_cpp, tiny, ggufs, family):
 # The tokenizer each family's released checkpoints ship: SentencePiece style for the Gemmas, Mistral v0.1 and
 # Phi-3-mini (Llama 2's), byte-level BPE for Llama 3, Qwen, Granite and OLMo 2 (Phi-4-mini's gpt-4o BPE is
 # byte-level too); "llama-2" is the llama architecture with Llama 2's tokenizer.
-_SPM_STYLE = {"gemma": "gemma", "gemma2": "gemma", "gemma3_text": "gemma", "mistral": "llama2", "phi3": "llama2"}
+_SPM_STYLE = {
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3_text": "gemma",
+    "gemma4_text": "gemma",  # written as llama.cpp's own "gemma4" vocabulary
+    "mistral": "llama2",
+    "phi3": "llama2",
+}
 CASES = [*FAMILIES, "llama-2"]
 
 

@@ -38,7 +38,10 @@ def test_family_loads_in_nf4_and_trains(family, tmp_path):
     model = registry.get(loaded.handle)
     linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     per_layer = len(TABLE[family].lora_targets)  # 7 projections, 4 where q/k/v and gate/up are fused (phi3)
-    assert loaded.linear_4bit == len(linears) == per_layer * model.config.num_hidden_layers  # lm_head stays 16-bit
+    per_layer += len(TABLE[family].frozen_linears)  # Gemma 4's per-layer input gate and projection
+    model_level = family == "gemma4_text"  # Gemma 4's per-layer input projection
+    n_linears = per_layer * model.config.num_hidden_layers + model_level
+    assert loaded.linear_4bit == len(linears) == n_linears  # lm_head stays 16-bit
     assert linears[0].weight.quant_state.nested  # double quantization
     assert linears[0].weight.quant_type == "nf4"
     lora = attach_lora(spec, loaded.handle)

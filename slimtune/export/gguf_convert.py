@@ -35,7 +35,7 @@ import numpy as np
 from slimtune import atomic
 from slimtune.export.gguf_quantize import CONVERTER_TYPES
 from slimtune.export.gguf_tokenizer import add_tokenizer
-from slimtune.families import BY_ARCHITECTURE, Family
+from slimtune.families import BY_ARCHITECTURE, Family, full_attention_head_dim
 
 Q = gguf.GGMLQuantizationType
 _FT = gguf.LlamaFileType
@@ -172,6 +172,8 @@ def _plan_tensors(model_dir: Path, config: dict[str, Any], family: Family, defau
     name_map = gguf.get_tensor_name_map(family.gguf_arch, n_layers)
 
     rope_freqs = _llama3_rope_factors(config)
+    if rope_freqs is None:
+        rope_freqs = _proportional_rope_factors(config)
     if rope_freqs is not None:
         yield _Planned(
             gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", lambda: rope_freqs, rope_freqs.shape, Q.F32
@@ -188,6 +190,8 @@ def _plan_tensors(model_dir: Path, config: dict[str, Any], family: Family, defau
                 f"{file.name}: tensor {key!r} has no GGUF name for {family.gguf_name}; "
                 "the checkpoint has modules the converter does not know"
             )
+        if not name.endswith((".weight", ".bias")):
+            name += ".weight"  # a bare parameter or buffer (Gemma 4's layer_scalar): llama.cpp names it .weight
         with safe_open(file, framework="pt") as f:
             shape = tuple(f.get_slice(key).get_shape())
         transform = _transform_for(key, family, n_head, n_kv)
@@ -282,6 +286,18 @@ def _llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
         wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, 1.0 / ((1 - smooth) / factor + smooth))
     )
     return factors.astype(np.float32)
+
+
+def _proportional_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
+    """Gemma 4's global layers rotate the first `partial_rotary_factor` of each half-head with frequencies of the
+    whole head ("proportional" rope). ggml's NEOX rope rotates the first n_rot dimensions, so llama.cpp rotates the
+    whole head and divides the frequencies of the unrotated pairs by 1e30 (its converter's rope_freqs tensor)."""
+    params = (config.get("rope_parameters") or {}).get("full_attention") or {}
+    if params.get("rope_type") != "proportional":
+        return None
+    head_dim = full_attention_head_dim(config)
+    rotated = int(head_dim * float(params.get("partial_rotary_factor", 1.0)) / 2)
+    return np.array([1.0] * rotated + [1e30] * (head_dim // 2 - rotated), dtype=np.float32)
 
 
 def _longrope_factors(config: dict[str, Any], family: Family) -> list[tuple[str, np.ndarray]]:
@@ -382,7 +398,7 @@ _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
 
 def _add_rope_scaling(writer: gguf.GGUFWriter, scaling: dict[str, Any], config: dict[str, Any]) -> None:
     kind = scaling.get("rope_type") or scaling.get("type")
-    if kind == "llama3":
+    if kind in ("llama3", "proportional"):
         return  # carried by the rope_freqs tensor
     if kind in ("longrope", "su"):  # the factors are tensors; llama.cpp scales cos/sin by attn_factor
         writer.add_rope_scaling_attn_factors(_longrope_attention_factor(scaling, config))

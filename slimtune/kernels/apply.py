@@ -290,6 +290,8 @@ def _patch_rope(base: torch.nn.Module, family: str, patch: KernelPatch) -> int |
 
     count = 0
     for mod in _family_instances(base, family, "Attention"):
+        if not getattr(mod, "use_rope", True):
+            continue  # a NoPE layer (SmolLM3's every 4th) rotates nothing: its own forward is already right
         if all(hasattr(mod, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
             _replace_forward(mod, impl, patch)
             count += 1

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from slimtune.families import canonical_targets, family_of, text_fields
+from slimtune.families import canonical_targets, family_of, full_attention_head_dim, gemma4_sliding_layers, text_fields
 from slimtune.gguf_types import GGUF_TYPES
 
 _GIB = 1024**3
@@ -116,6 +116,11 @@ class _Shape:
     qk_norm: str  # "", "head" or "full" (see slimtune.families)
     layer_norms: int
     model_type: str
+    # Gemma 4: layers that differ (wider global heads, KV-shared layers without k/v) and per-layer inputs
+    layer_linears: tuple[dict[str, tuple[int, int]], ...] = ()  # each layer's linears where they differ
+    other_linears: int = 0  # NF4 linear weights outside the layers (Gemma 4's per-layer input projection)
+    other_embeddings: int = 0  # other 16-bit embedding tables (Gemma 4's per-layer embeddings)
+    other_small: int = 0  # norms and scalars beyond the uniform per-layer count (negative where layers have fewer)
 
     @property
     def q_dim(self) -> int:
@@ -126,7 +131,10 @@ class _Shape:
         return self.kv_heads * self.head_dim
 
     def projections(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear in one decoder layer."""
+        """(in_features, out_features) of each linear in a decoder layer (the largest of each where layers differ)."""
+        if self.layer_linears:
+            names = dict.fromkeys(n for layer in self.layer_linears for n in layer)
+            return {n: max(layer[n] for layer in self.layer_linears if n in layer) for n in names}
         h, i = self.hidden, self.intermediate
         return {
             "q_proj": (h, self.q_dim),
@@ -141,19 +149,24 @@ class _Shape:
     def linear_weights_per_layer(self) -> int:
         return sum(a * b for a, b in self.projections().values())
 
+    def each_layer(self) -> tuple[dict[str, tuple[int, int]], ...]:
+        """Every decoder layer's linears, in order."""
+        return self.layer_linears or (self.projections(),) * self.layers
+
     def embedding_weights(self) -> int:
         """Input embeddings plus an untied lm_head; both stay 16-bit under bitsandbytes."""
-        return self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.other_embeddings
 
     def small_weights(self) -> int:
         """Norms and biases: never quantised, negligible for large models but exact for tiny ones."""
         qk = {"head": 2 * self.head_dim, "full": self.q_dim + self.kv_dim}.get(self.qk_norm, 0)
         per_layer = self.layer_norms * self.hidden + qk
         per_layer += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
-        return self.layers * per_layer + self.hidden
+        return self.layers * per_layer + self.hidden + self.other_small
 
     def total_weights(self) -> int:
-        return self.layers * self.linear_weights_per_layer() + self.embedding_weights() + self.small_weights()
+        linears = sum(a * b for layer in self.each_layer() for a, b in layer.values()) + self.other_linears
+        return linears + self.embedding_weights() + self.small_weights()
 
 
 def _shape(cfg: dict[str, Any]) -> _Shape:
@@ -179,7 +192,7 @@ def _shape(cfg: dict[str, Any]) -> _Shape:
     family = family_of(text)  # shape quirks of the family; plain Llama arithmetic for anything else
     heads = int(text["num_attention_heads"])
     hidden = int(text["hidden_size"])
-    return _Shape(
+    shape = _Shape(
         hidden=hidden,
         intermediate=int(text["intermediate_size"]),
         layers=int(text["num_hidden_layers"]),
@@ -192,6 +205,39 @@ def _shape(cfg: dict[str, Any]) -> _Shape:
         qk_norm=family.qk_norm if family else "",
         layer_norms=family.layer_norms if family else 2,
         model_type=model_type,
+    )
+    return _gemma4_layers(text, shape) if model_type == "gemma4_text" else shape
+
+
+def _gemma4_layers(text: dict[str, Any], shape: _Shape) -> _Shape:
+    """Gemma 4's layers as transformers builds them: global layers with `global_head_dim` (and k as v where
+    attention_k_eq_v), the last num_kv_shared_layers without k/v, and a per-layer input gate and projection
+    fed by a 16-bit per-layer embedding table (E2B: 262144 x 35 x 256 = 2.3e9 weights, more than the rest)."""
+    h, n = shape.hidden, shape.layers
+    full_dim, per_input = full_attention_head_dim(text), int(text.get("hidden_size_per_layer_input") or 0)
+    shared_from = n - int(text.get("num_kv_shared_layers") or 0)
+    per_layer_config = text.get("per_layer_config") or {}
+    layers, small = [], n + per_input  # each layer's layer_scalar; the per-layer projection's norm
+    for i, sliding in enumerate(gemma4_sliding_layers(text)):
+        full, shared = not sliding, i >= shared_from
+        head_dim = full_dim if full else shape.head_dim
+        kv = head_dim * int(per_layer_config.get(str(i), {}).get("num_key_value_heads", shape.kv_heads))
+        inter = shape.intermediate * (2 if text.get("use_double_wide_mlp") and shared else 1)
+        layer = {"q_proj": (h, shape.heads * head_dim)}
+        if not shared:
+            layer |= {"k_proj": (h, kv)} | ({} if full and text.get("attention_k_eq_v") else {"v_proj": (h, kv)})
+        layer |= {"o_proj": (shape.heads * head_dim, h), "gate_proj": (h, inter), "up_proj": (h, inter)}
+        layer |= {"down_proj": (inter, h)}
+        if per_input:
+            layer |= {"per_layer_input_gate": (h, per_input), "per_layer_projection": (per_input, h)}
+        layers.append(layer)
+        small += head_dim * (1 if shared else 2) - 2 * shape.head_dim  # q_norm, k_norm at this layer's width
+    return replace(
+        shape,
+        layer_linears=tuple(layers),
+        other_linears=h * n * per_input,
+        other_embeddings=int(text.get("vocab_size_per_layer_input") or 0) * n * per_input,
+        other_small=small,
     )
 
 
@@ -206,9 +252,9 @@ def _nf4_bytes(n: int, double_quant: bool) -> int:
 
 
 def _nf4_weights(shape: _Shape, dtype_bytes: int, double_quant: bool) -> dict[str, int]:
-    per_layer = sum(_nf4_bytes(a * b, double_quant) for a, b in shape.projections().values())
+    layers = sum(_nf4_bytes(a * b, double_quant) for layer in shape.each_layer() for a, b in layer.values())
     return {
-        "nf4 linears": shape.layers * per_layer,
+        "nf4 linears": layers + (_nf4_bytes(shape.other_linears, double_quant) if shape.other_linears else 0),
         "embeddings and lm_head": shape.embedding_weights() * dtype_bytes,
         "norms and biases": shape.small_weights() * dtype_bytes,
     }
@@ -384,8 +430,7 @@ def estimate_train(
     gpu["embeddings and lm_head"] -= host_table
     resident = sum(gpu.values())
     targets = _targets(shape, target_modules)
-    projections = shape.projections()
-    lora = shape.layers * sum(lora_r * (projections[t][0] + projections[t][1]) for t in targets)
+    lora = sum(lora_r * (layer[t][0] + layer[t][1]) for layer in shape.each_layer() for t in targets if t in layer)
     gpu["lora weights and grads (fp32)"] = -(-lora * 8 // shard_ranks)
     gpu["optimizer state"] = -(-lora * optimizer_bytes_per_param // shard_ranks)
 
