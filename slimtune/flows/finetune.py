@@ -10,6 +10,7 @@ from prefect.runtime import flow_run
 
 from slimtune import atomic, registry
 from slimtune.charts import publish_memory_chart
+from slimtune.earlier_outputs import set_aside_earlier_outputs
 from slimtune.evaluate import held_out_metrics
 from slimtune.flows.crash import crash_downshift
 from slimtune.flows.export import export_on_pool, export_stages, hands_off
@@ -66,7 +67,6 @@ def finetune(spec: PipelineSpec) -> dict:
         with run_lock(spec.run_dir()):  # one run per run dir
             # then its GPUs: the limit counts GPUs, a 2-GPU run holds 2 slots
             with gpu_concurrency(gpu_slot(), gpus=spec.train.num_gpus):
-                atomic.write_text(spec.run_dir() / "spec.effective.yaml", effective_yaml(spec))  # what ran
                 start_stage(spec, plan, "load_4bit")
                 summary["load_4bit"] = loaded = load(spec, plan)
                 start_stage(spec, plan, "attach_lora")
@@ -75,6 +75,10 @@ def finetune(spec: PipelineSpec) -> dict:
                 summary["packed_sft"] = trained = train(
                     spec, plan, lora["handle"], lora["checkpointing_handle"], examples
                 )
+                if trained.get("reused_from") is None:  # a new adapter: the earlier merge and GGUFs are not its
+                    set_aside_earlier_outputs(spec.run_dir())
+                # what ran, from the first output this run publishes (a run failing before it changes nothing)
+                atomic.write_text(spec.run_dir() / "spec.effective.yaml", effective_yaml(spec))
                 summary["evaluation"] = held_out_metrics(trained)
                 start_stage(spec, plan, "cleanup")
                 summary["cleanup"] = clean(spec, plan, baseline)
