@@ -229,6 +229,8 @@ def _gemma4_check(config: dict[str, Any]) -> str | None:
         return "the mixture-of-experts block (Gemma 4 26B-A4B) is not supported"
     if config.get("hidden_size_per_layer_input") and config.get("vocab_size_per_layer_input") != config["vocab_size"]:
         return "vocab_size_per_layer_input differs from vocab_size; llama.cpp reads one per-layer row per token"
+    if not any(gemma4_sliding_layers(config)):  # llama.cpp aborts the process loading it (GGML_ASSERT is_swa_any)
+        return "no sliding-window layer (see layer_types): llama.cpp's gemma4 needs at least one"
     shared = int(config.get("num_kv_shared_layers") or 0)
     if shared:
         # llama.cpp: a shared layer reads the last unshared global layer's KV, or the one before it for sliding

@@ -100,6 +100,7 @@ def _config(**overrides) -> dict:
             {"layer_types": ["full_attention", "sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2},
             "the last unshared layers (2, 3) must be sliding then global for llama.cpp",
         ),
+        ({"num_hidden_layers": 1}, "no sliding-window layer"),  # llama.cpp aborts the process on it
     ],
 )
 def test_configs_llama_cpp_cannot_run_are_refused(overrides, problem):
