@@ -185,7 +185,7 @@ def _kernels(args: argparse.Namespace, model_dir: Path) -> str | list[str]:
     if args.parallelism == "ddp" or args.device == "cpu":
         return "auto"
     from slimtune.families import FAMILIES
-    from slimtune.tasks.attach_lora import FSDP_EXCLUDED_KERNELS
+    from slimtune.train.settings import FSDP_EXCLUDED_KERNELS
 
     family = json.loads((model_dir / "config.json").read_text())["model_type"]
     return [k for k in FAMILIES[family].kernels if k not in FSDP_EXCLUDED_KERNELS]
@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         data = _write_data(work / "data.jsonl", examples=rows_needed * 4, words=args.seq // 4)
 
     from slimtune.flows import ranks
+    from slimtune.train.settings import rank_checkpointing
 
     build_s = time.perf_counter() - built
     out.mkdir(parents=True, exist_ok=True)  # each part is kept if a later one does not finish within a time limit
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         spec,
         micro_batch_size=args.micro,
         gradient_accumulation_steps=1,
-        gradient_checkpointing=spec.lora.gradient_checkpointing,
+        gradient_checkpointing=rank_checkpointing(spec.train, spec.lora.gradient_checkpointing),  # as a rank runs it
     )
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(single["losses"], multi["losses"])]
     # Under DDP the logged loss must be the mean of the ranks' own shares (the global token mean).

@@ -110,14 +110,13 @@ def train_estimate(
     cuda_graphs: bool = False,
 ) -> Estimate:
     """The packed_sft estimate for `spec` at `micro_batch`: with the kernels the run will apply and the
-    optimizer it uses (shared by the stage, the planner and `micro_batch_size: auto`). `device_type`
+    optimizer it uses (`resolve_train`'s estimate, and the planner's searches). `device_type`
     may be one this machine lacks (the planner's "cuda": 16-bit compute unless the spec says float32).
     `cuda_graphs` adds what graphs of the layers' backward hold; they are an extra that packed_sft uses only
     where it fits, so what fits is decided without them."""
     # Imported here: the planner reads configs without loading torch's model code until it estimates.
-    from slimtune.kernels.apply import expected_kernels
-    from slimtune.tasks.attach_lora import excluded_kernels, rank_checkpointing
     from slimtune.train.attention import varlen_expected
+    from slimtune.train.settings import rank_checkpointing, run_kernels
 
     # "auto" compute dtype: bf16 or fp16 on a GPU, fp32 on the CPU (`slimtune.device.resolve_compute_dtype`)
     dtype_bytes = DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
@@ -129,11 +128,7 @@ def train_estimate(
         target_modules=spec.lora.target_modules,
         checkpointing=rank_checkpointing(spec.train, checkpointing),
         optimizer_bytes_per_param=_OPTIMIZER_BYTES.get(spec.train.optimizer, 8),
-        kernels=[
-            k
-            for k in expected_kernels(spec.train.kernels, device_type, cfg.get("model_type"))
-            if k not in excluded_kernels(spec.train)
-        ],
+        kernels=run_kernels(spec.train, device_type, cfg.get("model_type")),
         compute_dtype_bytes=dtype_bytes,
         on_gpu=device_type == "cuda",
         shard_ranks=spec.train.num_gpus if spec.train.sharded else 1,  # per rank
@@ -199,17 +194,17 @@ def _largest_seq(spec: PipelineSpec, cfg: dict, budget: Budget, micro_batch: int
 
 def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan], dict]:
     """Per-stage estimates with verdicts, and the largest micro-batch and sequence length that fit."""
+    from slimtune.train.settings import resolve_train  # here: it loads torch, which reading configs does not need
+
     device_type = _device_type(spec, budget)
     dtype_bytes = DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
-    micro_batch = spec.train.micro_batch_size
     fits = budget.gpu_fits
-    ckpt = spec.lora.gradient_checkpointing
+    train = resolve_train(spec, cfg, device_type, fits=lambda est: bool(fits(est)))  # no GPU budget: nothing fits
+    micro_batch = train.micro_batch
     best_mb = largest_fitting_micro_batch(spec, cfg, budget)
-    if micro_batch == "auto":
-        micro_batch = best_mb or 1
     stages = {
         "load_4bit": estimate_load_4bit(cfg, compute_dtype_bytes=dtype_bytes),
-        "packed_sft": train_estimate(spec, cfg, micro_batch, ckpt, device_type),
+        "packed_sft": train.base_estimate,
     }
     if spec.merge.enabled:
         stages["dequant_merge"] = estimate_merge(

@@ -64,9 +64,9 @@ def test_fsdp_stores_nf4_in_the_compute_dtype_with_the_same_bytes(tmp_path):
 
 def test_trainer_arguments_set_up_fsdp1_with_flat_parameters_and_no_checkpoints(tmp_path):
     from slimtune.spec import TrainSpec
-    from slimtune.train.trainer import _arguments
+    from slimtune.train.arguments import training_arguments
 
-    args = _arguments(
+    args = training_arguments(
         TrainSpec(num_gpus=2, parallelism="fsdp"),
         tmp_path,
         micro_batch_size=2,
@@ -82,7 +82,7 @@ def test_trainer_arguments_set_up_fsdp1_with_flat_parameters_and_no_checkpoints(
     assert plugin["fsdp_version"] == 1 and plugin["use_orig_params"] is False, plugin
     assert plugin["state_dict_type"] == "FULL_STATE_DICT" and plugin["sync_module_states"] is False
     assert args.save_strategy == "no"
-    ddp = _arguments(
+    ddp = training_arguments(
         TrainSpec(num_gpus=2),
         tmp_path,
         micro_batch_size=2,
@@ -104,7 +104,7 @@ def test_the_guard_estimates_fsdp_per_rank(tmp_path):
     host_embedding out; with them, and "unsloth" checkpointing, one GPU fits this step in 9.97 GiB).
     """
     from slimtune.plan import train_estimate
-    from slimtune.tasks.attach_lora import FSDP_EXCLUDED_KERNELS
+    from slimtune.train.settings import FSDP_EXCLUDED_KERNELS
 
     def estimate(num_gpus: int, parallelism: str, checkpointing: bool | str = True):
         spec = _spec(tmp_path, parallelism)
@@ -141,7 +141,7 @@ def test_fsdp_rank_beats_the_best_single_gpu_where_the_tables_are_small(tmp_path
     vocabulary the tables FSDP1 keeps gathered outweigh the sharded layers: the rank does not win there."""
     from benchmarks.common import MODEL_SHAPES
     from slimtune.plan import train_estimate
-    from slimtune.tasks.attach_lora import FSDP_EXCLUDED_KERNELS
+    from slimtune.train.settings import FSDP_EXCLUDED_KERNELS
 
     def allocator(cfg: dict, num_gpus: int, checkpointing: bool | str, kernels: list[str]) -> float:
         spec = _spec(tmp_path, "fsdp")
@@ -233,7 +233,7 @@ def test_fsdp_refusals_name_the_fix(tmp_path):
 def test_fsdp_ranks_leave_out_what_fsdp1_cannot_train_through():
     """Kernels that read weights outside their FSDP unit, and "unsloth" checkpointing (stale parameters)."""
     from slimtune.spec import TrainSpec
-    from slimtune.tasks.attach_lora import excluded_kernels, rank_checkpointing
+    from slimtune.train.settings import excluded_kernels, rank_checkpointing
 
     fsdp, ddp, one = TrainSpec(num_gpus=2, parallelism="fsdp"), TrainSpec(num_gpus=2), TrainSpec()
     assert set(excluded_kernels(fsdp)) == {"lora_nf4", "host_embedding"}

@@ -293,9 +293,9 @@ def test_one_process_trains_on_one_device_even_when_more_gpus_are_visible(base_d
     """On a 2-GPU host outside torchrun transformers sets n_gpu=2: that doubled the micro-batch and the loss."""
     from transformers import Trainer
 
-    from slimtune.train.trainer import _arguments
+    from slimtune.train.arguments import training_arguments
 
-    args = _arguments(
+    args = training_arguments(
         TrainSpec(),
         tmp_path,
         micro_batch_size=3,
@@ -478,14 +478,14 @@ def test_adapter_carries_the_base_tokenizer_byte_for_byte(tmp_path):
     """transformers 5.23's save_pretrained drops `legacy: true` from a Llama-2-style tokenizer_config.json; the
     adapter's tokenizer must still tokenize as the base's (text right after a special token differed)."""
     from slimtune.tiny import build_model, build_spm_tokenizer
-    from slimtune.train.trainer import _save_adapter
+    from slimtune.train.adapter_io import save_adapter
 
     base_dir = tmp_path / "base"
     build_spm_tokenizer("llama2").save_pretrained(base_dir)
     base = AutoTokenizer.from_pretrained(base_dir)
     lora = LoraConfig(r=2, target_modules=["q_proj"])
     model = get_peft_model(build_model("llama", len(base), num_hidden_layers=1), lora)
-    adapter = _save_adapter(model, base, tmp_path / "adapter")
+    adapter = save_adapter(model, base, tmp_path / "adapter")
     for p in base_dir.iterdir():
         assert (adapter / p.name).read_bytes() == p.read_bytes(), p.name
     assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "adapter_config.json").is_file()

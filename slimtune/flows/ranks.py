@@ -110,7 +110,8 @@ def launch(
     """Train with `spec.train.num_gpus` torchrun workers; returns rank 0's TrainReport dict plus world_size,
     backend, per-rank throughput (`ranks`) and `tokens_per_s_all_ranks`.
 
-    The arguments are the (possibly downshifted) per-process values of the packed_sft task. A worker's
+    The arguments are the packed_sft task's `TrainSettings` (`resolve_train`: possibly downshifted, per process,
+    the checkpointing as a rank runs it); each rank trains with them as they are. A worker's
     out-of-memory error is re-raised here as `torch.OutOfMemoryError`, so that the memory guard retries
     the stage with a smaller micro-batch like a single-process run.
     """
@@ -194,7 +195,7 @@ def _train_rank(job: dict, local_rank: int) -> dict:
     """Load, attach and train on this rank's device; returns this rank's TrainReport as a dict."""
     from slimtune.memory.guard import guarded
     from slimtune.run_plan import resolve_plan
-    from slimtune.tasks.attach_lora import attach_lora, rank_checkpointing
+    from slimtune.tasks.attach_lora import attach_lora
     from slimtune.tasks.load_4bit import load_4bit
     from slimtune.tasks.packed_sft import packed_sft, prepare_data
 
@@ -202,14 +203,13 @@ def _train_rank(job: dict, local_rank: int) -> dict:
     if job["backend"] == "nccl":
         torch.cuda.set_device(local_rank)
         spec.model.device = f"cuda:{local_rank}"
-    checkpointing = rank_checkpointing(spec.train, job["gradient_checkpointing"])  # FSDP: standard, not "unsloth"
     plan = resolve_plan(spec)  # once per rank: its own device, the flow's model folder (already resolved there)
     # Each rank runs under the spec's budget (the allocator cap, on this rank's GPU) and records its own peak:
     # the flow process's guard sees none of the ranks' allocations.
     guard = guarded("packed_sft", estimate=None, device=str(plan.torch_device), budget_fraction=_budget(spec))
     with guard as record:
         loaded = load_4bit(spec, plan)
-        lora = attach_lora(spec, loaded.handle)
+        lora = attach_lora(spec, loaded.handle, plan)
         examples = prepare_data(spec, loaded.model_dir)
         report = packed_sft(
             spec,
@@ -218,7 +218,7 @@ def _train_rank(job: dict, local_rank: int) -> dict:
             examples,
             micro_batch_size=job["micro_batch_size"],
             gradient_accumulation_steps=job["gradient_accumulation_steps"],
-            gradient_checkpointing=checkpointing,
+            gradient_checkpointing=job["gradient_checkpointing"],
             plan=plan,
         )
     memory = {

@@ -9,7 +9,6 @@ until the flow ends). Out-of-memory inside a stage becomes `MemoryPressure`, the
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 from dataclasses import asdict
@@ -26,7 +25,6 @@ from slimtune.memory import (
     GuardRecord,
     current_attempt,
     downshift_merge,
-    downshift_train,
     estimate_export,
     estimate_load_4bit,
     estimate_merge,
@@ -35,7 +33,7 @@ from slimtune.memory import (
     retry_on_memory_pressure,
 )
 from slimtune.memory.guard import gpu_shortfalls
-from slimtune.plan import DTYPE_BYTES, auto_micro_batch, train_estimate
+from slimtune.plan import DTYPE_BYTES
 from slimtune.run_plan import RunPlan
 from slimtune.spec import STAGES, PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
@@ -44,6 +42,7 @@ from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 from slimtune.tasks.load_4bit import load_4bit
 from slimtune.tasks.packed_sft import packed_sft
+from slimtune.train.settings import resolve_train
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +121,7 @@ def attach_lora_task(spec: PipelineSpec, plan: RunPlan, handle: str | None) -> d
 
     def here() -> dict:
         with _guard("attach_lora", spec, plan, None):
-            return attach_lora(spec, handle).to_dict()
+            return attach_lora(spec, handle, plan).to_dict()
 
     return ranks.run_stage(spec, "attach_lora", here)
 
@@ -132,40 +131,28 @@ def packed_sft_task(
     spec: PipelineSpec, plan: RunPlan, handle: str | None, checkpointing_handle: str | None, examples_handle: str
 ) -> dict:
     """Train; each out-of-memory retry halves the micro-batch (doubling accumulation), then offloads."""
-    cfg = plan.config
-    micro_batch, grad_accum, chosen = spec.train.micro_batch_size, spec.train.gradient_accumulation_steps, None
-    if micro_batch == "auto":
-        micro_batch, grad_accum, chosen = auto_micro_batch(
-            spec.train,
-            lambda mb: gpu_fits(
-                train_estimate(spec, cfg, mb, spec.lora.gradient_checkpointing, plan.torch_device.type), spec, plan
-            ),
-        )
-        log.warning("packed_sft %s", chosen)
-    attempt = current_attempt()
-    shift = downshift_train(micro_batch, grad_accum, spec.lora.gradient_checkpointing, attempt)
-    for note in shift.notes:
+    train = resolve_train(
+        spec, plan.config, plan.torch_device.type, attempt=current_attempt(), fits=lambda est: gpu_fits(est, spec, plan)
+    )
+    if train.auto_note:
+        log.warning("packed_sft %s", train.auto_note)
+    for note in train.downshift_notes:
         log.warning("packed_sft downshift: %s", note)
-    device_type = plan.torch_device.type
-    estimate = functools.partial(train_estimate, spec, cfg, shift.micro_batch, shift.checkpointing, device_type)
-    # CUDA graphs of the layers' backward hold a recomputed layer in a pool of their own: an extra, used only on
-    # the first attempt and where the estimate with them fits
-    graphs = spec.train.cuda_graphs and attempt == 1 and gpu_fits(estimate(cuda_graphs=True), spec, plan)
-    if spec.train.cuda_graphs and not graphs:
-        why = "a retry after running out of memory" if attempt > 1 else "the estimate with them exceeds the budget"
-        log.warning("packed_sft: CUDA graphs of the layers' backward off: %s", why)
-    est = estimate(cuda_graphs=graphs)
+    if train.graphs_off:
+        log.warning("packed_sft: CUDA graphs of the layers' backward off: %s", train.graphs_off)
     batch = {
-        "micro_batch_size": shift.micro_batch,
-        "gradient_accumulation_steps": shift.grad_accum,
-        "gradient_checkpointing": shift.checkpointing,
+        "micro_batch_size": train.micro_batch,
+        "gradient_accumulation_steps": train.grad_accum,
+        "gradient_checkpointing": train.checkpointing,
     }
 
     def here() -> dict:
-        report = packed_sft(spec, handle, checkpointing_handle, examples_handle, **batch, plan=plan, cuda_graphs=graphs)
-        return {**asdict(report), "micro_batch_auto": chosen}
+        report = packed_sft(
+            spec, handle, checkpointing_handle, examples_handle, **batch, plan=plan, cuda_graphs=train.cuda_graphs
+        )
+        return {**asdict(report), "micro_batch_auto": train.auto_note}
 
-    with _guard("packed_sft", spec, plan, est, shift.notes):
+    with _guard("packed_sft", spec, plan, train.estimate, train.downshift_notes):
         return ranks.run_stage(spec, "packed_sft", here, **batch)
 
 

@@ -11,45 +11,12 @@ from slimtune import registry
 from slimtune.families import lora_target_modules
 from slimtune.kernels import apply_kernels
 from slimtune.memory.checkpointing import checkpoint_pass, enable_checkpointing
-from slimtune.spec import PipelineSpec, TrainSpec
+from slimtune.run_plan import RunPlan, plan_for
+from slimtune.spec import PipelineSpec
+from slimtune.train.settings import TrainSettings, resolve_train
 
 log = logging.getLogger(__name__)
 _EMBEDDINGS = ("embed_tokens", "lm_head")
-
-
-# DDP and FSDP want every parameter on the rank's GPU (they check device types and broadcast or shard them
-# at wrap time); the guard's estimate for a multi-GPU run leaves these kernels out too.
-MULTI_GPU_EXCLUDED_KERNELS = {"host_embedding": "train.num_gpus > 1: DDP/FSDP keep every parameter on the rank's GPU"}
-# FSDP1 (flat parameters) replaces each weight by a plain view of its unit's flat parameter, valid only while
-# that unit computes: lora_nf4 reads `base_layer.weight.quant_state` (gone from the view; bitsandbytes' own
-# forward restores it from the module) and the LoRA weights, which are FSDP units of their own, from the
-# outer layer's forward (sharded there).
-FSDP_EXCLUDED_KERNELS = {
-    **MULTI_GPU_EXCLUDED_KERNELS,
-    "lora_nf4": "train.parallelism fsdp: FSDP1 flattens the NF4 weight (its quant_state is gone) and shards "
-    "the LoRA weights the kernel reads",
-}
-
-
-def excluded_kernels(train: TrainSpec) -> dict[str, str]:
-    """Kernels this run leaves out, with why (attach_lora applies, the estimate assumes the same)."""
-    if train.sharded:
-        return FSDP_EXCLUDED_KERNELS
-    return MULTI_GPU_EXCLUDED_KERNELS if train.num_gpus > 1 else {}
-
-
-def rank_checkpointing(train: TrainSpec, mode: bool | str) -> bool | str:
-    """The checkpointing a rank runs: under FSDP "unsloth" becomes standard (non-reentrant) checkpointing.
-
-    "unsloth" runs each layer under no_grad and hands `layer.parameters()` to an autograd Function that
-    re-runs the layer in its backward; under FSDP1 those are the nested LoRA units' sharded flat parameters,
-    gathered and reduced by FSDP's hooks around a recompute they were not written for: not verified, so
-    offloaded checkpointing is not offered under FSDP yet. Standard checkpointing recomputes through the
-    module calls inside the layer's FSDP unit, as Answer.AI's fsdp_qlora does.
-    """
-    if train.sharded and mode == "unsloth":
-        return True
-    return mode
 
 
 @dataclass(frozen=True)
@@ -85,10 +52,16 @@ def _offload_frozen_embeddings(model: torch.nn.Module, device: torch.device) -> 
             module.modules_to_save.to(device=device, dtype=_embedding_dtype(device))
 
 
-def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
-    """Wrap the model behind `handle` with LoRA (peft) and configure gradient checkpointing."""
+def attach_lora(spec: PipelineSpec, handle: str, plan: RunPlan | None = None) -> LoraResult:
+    """Wrap the model behind `handle` with LoRA (peft) and configure gradient checkpointing.
+
+    Args:
+        plan: the run plan (its config and device give the run's `TrainSettings`); resolved when not given.
+    """
     from peft import LoraConfig, get_peft_model
 
+    plan = plan_for(spec, plan)
+    settings = resolve_train(spec, plan.config, plan.torch_device.type)  # its checkpointing and kernels
     model = registry.get(handle)
     if spec.lora.train_embeddings and model.config.tie_word_embeddings:
         raise ValueError(
@@ -112,7 +85,7 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
     torch.manual_seed(spec.train.seed)  # LoRA A is randomly initialised: same spec, same adapter
     peft_model = get_peft_model(model, config)
     try:
-        return _configure(spec, handle, peft_model, device)
+        return _configure(spec, handle, peft_model, device, settings)
     except BaseException:
         # peft injected the LoRA layers into the registered model in place: a retry (out of memory) must get the
         # base model back, or its get_peft_model stacks a second adapter ("multiple adapters" warning)
@@ -120,7 +93,9 @@ def attach_lora(spec: PipelineSpec, handle: str) -> LoraResult:
         raise
 
 
-def _configure(spec: PipelineSpec, handle: str, peft_model, device: torch.device) -> LoraResult:
+def _configure(
+    spec: PipelineSpec, handle: str, peft_model, device: torch.device, settings: TrainSettings
+) -> LoraResult:
     """Place the LoRA weights, set up checkpointing and kernels, and register the peft model under `handle`."""
     if spec.train.sharded:
         # peft puts each LoRA weight beside its base weight, which an FSDP rank's load left on the host
@@ -131,7 +106,7 @@ def _configure(spec: PipelineSpec, handle: str, peft_model, device: torch.device
                     p.data = p.data.to(device)
     if spec.lora.train_embeddings:
         _offload_frozen_embeddings(peft_model, device)
-    mode = rank_checkpointing(spec.train, spec.lora.gradient_checkpointing)
+    mode = settings.checkpointing
     if mode != spec.lora.gradient_checkpointing:
         log.warning("lora.gradient_checkpointing %s runs as %s under FSDP", spec.lora.gradient_checkpointing, mode)
     checkpointing = enable_checkpointing(peft_model, mode)
@@ -139,7 +114,7 @@ def _configure(spec: PipelineSpec, handle: str, peft_model, device: torch.device
     kernels = apply_kernels(
         peft_model,
         spec.train.kernels,  # logs what it applied and skipped, and why
-        exclude=excluded_kernels(spec.train) or None,
+        exclude=settings.kernels_excluded or None,
         # "unsloth" checkpointing's passes: lora_nf4 keeps its casts in the first for the recompute, which skips
         # the output nobody reads
         checkpoint_pass=checkpoint_pass,

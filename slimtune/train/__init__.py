@@ -3,7 +3,8 @@
 from slimtune.train.callbacks import LogCallback, PrefectProgressCallback
 from slimtune.train.checkpoints import latest_checkpoint
 from slimtune.train.options import ISOLATING_MODEL_TYPES, Batching, choose_batching
-from slimtune.train.trainer import REPORT_FILE, TrainReport, train_adapter
+from slimtune.train.result import REPORT_FILE, TrainReport
+from slimtune.train.trainer import train_adapter
 
 __all__ = [
     "Batching",

@@ -9,9 +9,10 @@ LoRA, data, train and quantization settings as params, and attaches the report a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -93,3 +94,29 @@ class MLflowRun(MLflowCallback):
                 os.environ.pop("MLFLOW_TRACKING_URI")
             else:
                 os.environ["MLFLOW_TRACKING_URI"] = saved
+
+
+@contextlib.contextmanager
+def offline_trackers(report_to: list[str], run_dir: Path) -> Iterator[None]:
+    """Point the trackers Trainer reports to at the run directory, offline, unless the user's environment
+    already configures them; restored afterwards. Trainer's integrations read only these variables:
+    TensorBoard its `TENSORBOARD_LOGGING_DIR`, MLflow `MLFLOW_TRACKING_URI` (else ./mlruns in the cwd),
+    W&B `WANDB_MODE`/`WANDB_DIR`."""
+    wanted = {
+        "tensorboard": {"TENSORBOARD_LOGGING_DIR": str(run_dir / "tensorboard")},
+        # MLflow 3 refuses its file store by default (maintenance mode); SQLite is its local store now.
+        "mlflow": {
+            "MLFLOW_TRACKING_URI": f"sqlite:///{(run_dir / 'mlflow.db').resolve()}",
+            "MLFLOW_EXPERIMENT_NAME": "slimtune",  # `MLflowRun` creates it with its artifacts in the run dir
+        },
+        "wandb": {"WANDB_MODE": "offline", "WANDB_DIR": str(run_dir)},
+    }
+    added = {k: v for name in report_to for k, v in wanted[name].items() if k not in os.environ}
+    # mlflow.set_experiment (called by Trainer's setup) exports the experiment's id to the environment
+    exported = [] if "MLFLOW_EXPERIMENT_ID" in os.environ else ["MLFLOW_EXPERIMENT_ID"]
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in [*added, *exported]:
+            os.environ.pop(key, None)

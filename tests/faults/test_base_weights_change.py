@@ -14,7 +14,7 @@ import torch
 def _settings(model_dir):
     from transformers import AutoModelForCausalLM
 
-    from slimtune.train.trainer import model_settings
+    from slimtune.train.resume import model_settings
 
     return model_settings(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
 
@@ -26,7 +26,7 @@ def _settings(model_dir):
 )
 def test_overwritten_base_weights_change_the_fingerprint(tmp_path, observe):
     from slimtune.tiny import save_tiny
-    from slimtune.train.trainer import _changed
+    from slimtune.train.resume import _changed
 
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
     base = save_tiny(tmp_path / "base", "llama", seed=0, **small)

@@ -18,7 +18,7 @@ from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.load_4bit import load_4bit
 from slimtune.tiny import DATA_FILE, save_tiny
 from slimtune.train import train_adapter
-from slimtune.train.trainer import _OPERATIONAL, model_settings
+from slimtune.train.resume import _OPERATIONAL, model_settings
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
 
@@ -82,7 +82,7 @@ def test_every_spec_field_is_fingerprinted_or_irrelevant(base, tmp_path, observe
         for name in model.model_fields:
             key = f"{section}.{name}"
             assert key in changed or key in _IRRELEVANT, f"{key}: neither fingerprinted nor proven irrelevant"
-    # train: all but the operational fields are hashed (trainer._settings); data: all of it
+    # train: all but the operational fields are hashed (resume.training_settings); data: all of it
     assert _OPERATIONAL < set(TrainSpec.model_fields)
 
 

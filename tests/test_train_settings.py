@@ -1,0 +1,158 @@
+"""`resolve_train`: the one place a packed_sft attempt's settings are decided, and who reads it."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from slimtune.plan import Budget, plan, train_estimate
+from slimtune.spec import parse_spec
+from slimtune.train.settings import resolve_train
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "deployments" / "data" / "tiny_chat.jsonl"
+LLAMA_8B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+# The decisions resolve_train makes: a reader calling one of these itself would decide them a second time.
+DECISIONS = {
+    "auto_micro_batch",
+    "downshift_train",
+    "train_estimate",
+    "rank_checkpointing",
+    "excluded_kernels",
+    "expected_kernels",
+    "run_kernels",
+    "varlen_expected",
+}
+
+
+def _spec(tmp_path: Path, lora: dict | None = None, **train):
+    model = tmp_path / "llama-8b"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(LLAMA_8B))  # no weights: nothing here loads a model
+    return parse_spec(
+        {
+            "name": "settings",
+            "output_dir": str(tmp_path / "runs"),
+            "model": {"name_or_path": str(model)},
+            "lora": {"gradient_checkpointing": "unsloth", **(lora or {})},
+            "data": {"path": str(DATA), "max_seq_length": 2048},
+            "train": {"micro_batch_size": 4, **train},
+            "export": {"gguf": ["f16"]},
+        }
+    )
+
+
+def _called(node: ast.AST) -> list[str]:
+    """Names of the functions called anywhere under `node` (`f(...)` and `mod.f(...)`)."""
+    return [
+        c.func.id if isinstance(c.func, ast.Name) else c.func.attr
+        for c in ast.walk(node)
+        if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))
+    ]
+
+
+def _calls_of(node: ast.AST, name: str) -> list[ast.Call]:
+    return [c for c in ast.walk(node) if isinstance(c, ast.Call) and getattr(c.func, "id", "") == name]
+
+
+def _tree(module: str) -> ast.Module:
+    return ast.parse((ROOT / module).read_text(encoding="utf-8"))
+
+
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_the_flow_task_plan_attach_lora_and_the_ranks_decide_nothing_themselves():
+    readers = {
+        "slimtune/flows/stages.py": _function(_tree("slimtune/flows/stages.py"), "packed_sft_task"),
+        "slimtune/plan.py": _function(_tree("slimtune/plan.py"), "plan"),
+        "slimtune/tasks/attach_lora.py": _tree("slimtune/tasks/attach_lora.py"),
+        "slimtune/flows/ranks.py": _tree("slimtune/flows/ranks.py"),
+    }
+    for module, node in readers.items():
+        called = _called(node)
+        assert not DECISIONS & set(called), (module, DECISIONS & set(called))
+        if module != "slimtune/flows/ranks.py":  # a rank trains with the flow's settings, passed in the job
+            assert called.count("resolve_train") == 1, module
+    # each rank's attach_lora resolves with the rank's own plan, and packed_sft gets the job's checkpointing as is
+    rank = _function(_tree("slimtune/flows/ranks.py"), "_train_rank")
+    (attach,) = _calls_of(rank, "attach_lora")
+    assert [a.id for a in attach.args if isinstance(a, ast.Name)] == ["spec", "plan"]
+
+
+def test_the_flow_decides_fitting_only_inside_resolve_train():
+    """`gpu_fits` (the guard's preflight now) is what resolve_train's `fits` asks, and nothing else asks it."""
+    task = _function(_tree("slimtune/flows/stages.py"), "packed_sft_task")
+    (resolve,) = _calls_of(task, "resolve_train")
+    fits = next(k.value for k in resolve.keywords if k.arg == "fits")
+    assert isinstance(fits, ast.Lambda) and _called(fits) == ["gpu_fits"]
+    assert _called(task).count("gpu_fits") == 1
+
+
+def test_auto_picks_the_largest_divisor_whose_estimate_fits(tmp_path):
+    spec = _spec(tmp_path, micro_batch_size="auto", effective_batch_size=12)
+    at = {mb: train_estimate(spec, LLAMA_8B, mb, "unsloth", "cuda").gpu_bytes for mb in (4, 6)}
+    assert at[4] < at[6]
+    limit = (at[4] + at[6]) // 2  # 6 does not fit, 4 does
+
+    settings = resolve_train(spec, LLAMA_8B, "cuda", fits=lambda est: est.gpu_bytes <= limit)
+    assert (settings.micro_batch, settings.grad_accum) == (4, 3)
+    assert settings.auto_note.startswith("micro_batch_size auto: 4 x 3 accumulation (effective batch 12)")
+    assert settings.base_estimate.gpu_bytes == at[4]
+    # no budget to hold it to: the whole effective batch in one micro-batch
+    whole = resolve_train(spec, LLAMA_8B, "cuda")
+    assert (whole.micro_batch, whole.grad_accum) == (12, 1)
+    # plan's verdict row is the same estimate (plan holds auto to the budget: nothing fits without one)
+    budget = Budget(gpu_total=limit, gpu_fraction=None, host=None)
+    rows, limits = plan(spec, LLAMA_8B, budget)
+    assert limits["micro_batch"] == 4
+    assert {r.stage: r.estimate for r in rows}["packed_sft"] == settings.base_estimate
+    assert plan(spec, LLAMA_8B, Budget(None, None, None))[1]["micro_batch"] == 1
+
+
+def test_graphs_are_on_where_their_estimate_fits_and_off_on_a_retry(tmp_path):
+    spec = _spec(tmp_path, micro_batch_size=4, gradient_accumulation_steps=1)
+    first = resolve_train(spec, LLAMA_8B, "cuda")
+    assert first.cuda_graphs and first.graphs_off is None and first.downshift_notes == ()
+    assert first.estimate.gpu_bytes > first.base_estimate.gpu_bytes  # the graphs' pool is an extra on the GPU
+
+    tight = resolve_train(spec, LLAMA_8B, "cuda", fits=lambda est: est.gpu_bytes <= first.base_estimate.gpu_bytes)
+    assert not tight.cuda_graphs and tight.graphs_off == "the estimate with them exceeds the budget"
+    assert tight.estimate == tight.base_estimate == first.base_estimate
+
+    retry = resolve_train(spec, LLAMA_8B, "cuda", attempt=2)
+    assert (retry.micro_batch, retry.grad_accum, retry.checkpointing) == (2, 2, "unsloth")
+    assert not retry.cuda_graphs and retry.graphs_off == "a retry after running out of memory"
+    assert len(retry.downshift_notes) == 1 and retry.downshift_notes[0].startswith("attempt 2: ")
+
+
+def test_on_the_cpu_graphs_and_varlen_add_nothing_and_no_kernel_is_expected(tmp_path):
+    spec = _spec(tmp_path)
+    asked = []
+    cpu = resolve_train(spec, LLAMA_8B, "cpu", fits=lambda est: asked.append(est) or True)
+    assert cpu.cuda_graphs and cpu.estimate == cpu.base_estimate  # asked for: graphed_backward refuses on the CPU
+    assert not cpu.varlen and cpu.kernels == ()
+    assert len(asked) == 1  # only the graphs' question: a fixed micro-batch is not searched
+
+
+def test_fsdp_ranks_run_standard_checkpointing_without_the_kernels_fsdp_breaks(tmp_path):
+    spec = _spec(tmp_path, num_gpus=2, parallelism="fsdp")
+    settings = resolve_train(spec, LLAMA_8B, "cuda")
+    assert settings.checkpointing is True  # "unsloth" is not offered under FSDP
+    assert set(settings.kernels_excluded) == {"lora_nf4", "host_embedding"}
+    assert not set(settings.kernels) & set(settings.kernels_excluded)
+    one = resolve_train(_spec(tmp_path), LLAMA_8B, "cuda")
+    assert one.checkpointing == "unsloth" and one.kernels_excluded == {} and "lora_nf4" in one.kernels
