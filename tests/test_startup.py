@@ -1,0 +1,29 @@
+"""`slimtune run`'s start-up: what the CLI and the flow import.
+
+The CLI module is imported by every command (`--help`, `init`, a spec error that exits 2), so it loads no ML
+library and no Prefect; the flow's imports load no plotting, tracker or llama.cpp module (those are imported
+where used).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+_FOREIGN = ("matplotlib", "mlflow", "llama_cpp", "tensorboard", "pandas", "datasets")
+
+
+def _loaded(code: str, modules: tuple[str, ...]) -> list[str]:
+    probe = f"import json, sys; {code}; print(json.dumps(sorted(m for m in {modules!r} if m in sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_cli_module_imports_no_ml_library_or_prefect():
+    heavy = ("torch", "transformers", "peft", "bitsandbytes", "prefect", *_FOREIGN)
+    assert _loaded("import slimtune.cli", heavy) == []
+
+
+def test_flow_imports_no_plotting_tracker_or_llama_cpp():
+    assert _loaded("import slimtune.flows", _FOREIGN) == []
