@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -726,16 +727,31 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOG_TAIL = 3000  # characters of a worker's log kept in a result row
 
 
+def _card_used() -> int | None:
+    """The card's used memory (nvidia-smi, GPU 0), or None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    done = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True,
+        text=True,
+    )
+    return int(done.stdout.split()[0]) * 2**20 if done.returncode == 0 and done.stdout.strip() else None
+
+
 def run_process(
     cmd: list[str], timeout: float, log: Path, env: dict[str, str] | None = None, cwd: Path = REPO_ROOT
 ) -> dict[str, Any]:
     """Run `cmd` in `cwd`, in its own process group, under `timeout` seconds, output to `log`.
 
     Returns rc (None when killed at the timeout), wall_s, the peak RSS of the process tree in bytes (wait4's
-    ru_maxrss: the largest of the process and the children it waited for) and the log's tail. Whatever the
-    group leaves behind (a server a tool started) is killed with it.
+    ru_maxrss: the largest of the process and the children it waited for), the card's peak used memory while it
+    ran less the card's use before it started (nvidia-smi every 0.5 s from outside: what the card had to hold
+    for it, context and libraries included; None without a GPU) and the log's tail. Whatever the group leaves
+    behind (a server a tool started) is killed with it.
     """
     t0 = time.monotonic()
+    idle, card_peak, sampled = _card_used(), None, 0.0
     with log.open("w", encoding="utf-8") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
         rc: int | None = None
@@ -748,6 +764,10 @@ def run_process(
                 os.killpg(proc.pid, signal.SIGKILL)
                 _pid, status, usage = os.wait4(proc.pid, 0)
                 break
+            if idle is not None and time.monotonic() - sampled >= 0.5:
+                sampled = time.monotonic()
+                used = _card_used()
+                card_peak = max(card_peak or 0, used - idle) if used is not None else card_peak
             time.sleep(0.1)
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
         with contextlib.suppress(ProcessLookupError):
@@ -756,5 +776,6 @@ def run_process(
         "rc": rc,
         "wall_s": round(time.monotonic() - t0, 1),
         "host_rss_peak": usage.ru_maxrss * 1024,  # KiB on Linux
+        "card_peak": card_peak,
         "tail": log.read_text(encoding="utf-8", errors="replace")[-LOG_TAIL:],
     }

@@ -29,7 +29,7 @@ PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 man
            manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64)
 
 BASE_PKGS=(
-  bitsandbytes==0.50.2 liger-kernel==0.8.5 gguf==0.19.0
+  bitsandbytes==0.50.2 liger-kernel==0.8.5 gguf==0.19.0 nvidia-ml-py==13.615.71
   prefect==3.8.8 fastapi==0.150.0 typing-extensions==4.16.0
   pydantic==2.14.3 pydantic-core==2.50.4 pydantic-extra-types==2.11.1 pydantic-settings==2.16.3
   annotated-types==0.8.0 typing-inspection==0.4.5

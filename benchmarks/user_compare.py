@@ -68,6 +68,7 @@ from benchmarks.trl_sft import LEARNING_RATE, LR_SCHEDULE, MAX_GRAD_NORM, NEEDS,
 
 TOOLS = ("slimtune", *trl_sft.TOOLS)
 _MIN_START_S = 30  # a tool is not started with less of the budget left than this
+_SETTINGS = ("model", "tools", "device", "batch", "seq", "steps", "warmup", "gpu_budget_gib")
 
 
 def slimtune_spec(args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -92,8 +93,11 @@ def slimtune_spec(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "eval_fraction": 0.0,
         },
         "train": {
-            "micro_batch_size": args.batch,
-            "gradient_accumulation_steps": 1,
+            **(
+                {"micro_batch_size": "auto", "effective_batch_size": args.batch}
+                if args.gpu_budget_gib
+                else {"micro_batch_size": args.batch, "gradient_accumulation_steps": 1}
+            ),
             "max_steps": args.steps,
             "learning_rate": LEARNING_RATE,
             "lr_scheduler": LR_SCHEDULE,
@@ -108,7 +112,16 @@ def slimtune_spec(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         },
         "merge": {"enabled": False},
         "export": {"gguf": []},
-    }
+    } | (_budgeted(args) if args.gpu_budget_gib else {})
+
+
+def _budgeted(args: argparse.Namespace) -> dict[str, Any]:
+    """--gpu-budget-gib: the run held to a card of that size (device-wide), the micro-batch chosen by `auto` among
+    the divisors of --batch (the effective batch), as a user with that card would set it."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    return {"guard": {"gpu_memory_fraction": round(args.gpu_budget_gib * 2**30 / total, 4)}}
 
 
 def _last_line(text: str) -> str:
@@ -149,6 +162,7 @@ def slimtune_row(args: argparse.Namespace, root: Path, logs: Path, timeout: floa
         row.update(steps=train["steps"], train_s=round(train["training_seconds"], 2), tokens=train["tokens_seen"])
         row["tokens_per_s"] = round(train["tokens_per_s"], 1)
         row["optimizer"] = train["optimizer"]  # as resolved for the device; each TRL row records its own
+        row["micro_batch_x_accumulation"] = f"{train['micro_batch_size']} x {train['gradient_accumulation_steps']}"
         _steady(row, SimpleNamespace(**train), args.warmup)
     stages = run_stages(run_dir)
     sft = stages.get("packed_sft") or {}
@@ -168,6 +182,7 @@ def _base_row(args: argparse.Namespace, tool: str, proc: dict[str, Any]) -> dict
     status = "ok" if proc["rc"] == 0 else "timeout" if proc["rc"] is None else "error"
     row = make_row(args.model, tool, args.batch, args.seq, status, warmup=args.warmup)
     row.update(wall_s=proc["wall_s"], host_rss_peak_gib=gib(proc["host_rss_peak"]))
+    row["card_peak_gib"] = gib(proc["card_peak"]) if proc["card_peak"] is not None else None
     if status == "timeout":
         row["error"] = f"killed after {proc['wall_s']} s (--timeout-s or the budget); last output: " + _last_line(
             proc["tail"]
@@ -235,8 +250,8 @@ def render(result: dict[str, Any]) -> str:
         "(whole process in brackets); host RSS: the process tree's peak.",
         "",
         "| tool | status | wall s | train s | real tokens | tokens/s | steady tokens/s | peak alloc GiB | "
-        "peak reserved GiB | host RSS GiB | loss first → final |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "peak reserved GiB | card peak GiB | host RSS GiB | loss first → final |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {' '.join(str(r.get('error')).split())}"
@@ -245,7 +260,7 @@ def render(result: dict[str, Any]) -> str:
         reserved = f"{_cell(r.get('peak_reserved_gib'))} ({_cell(r.get('process_peak_reserved_gib'))})"
         cells = [r["config"], status.replace("|", "/")[:200], _cell(r.get("wall_s")), _cell(r.get("train_s"))]
         cells += [_cell(r.get("tokens")), _cell(r.get("tokens_per_s")), _cell(r.get("steady_tokens_per_s"))]
-        cells += [alloc, reserved, _cell(r.get("host_rss_peak_gib")), loss]
+        cells += [alloc, reserved, _cell(r.get("card_peak_gib")), _cell(r.get("host_rss_peak_gib")), loss]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines) + "\n"
@@ -267,6 +282,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the steady rate")
     p.add_argument("--hf-attn", default="auto", help="hf_trl's attn_implementation (auto: flash_attention_2 or sdpa)")
     p.add_argument("--timeout-s", type=float, default=220.0, help="per tool")
+    p.add_argument(
+        "--gpu-budget-gib", type=float, default=None, help="slimtune held to a card of this size, micro-batch auto"
+    )
     p.add_argument("--budget-s", type=float, default=500.0, help="the whole command, model build included")
     p.add_argument("--root", default="/tmp/user-compare", help="scratch: the saved model, the data, the runs")
     p.add_argument("--out", default=os.environ.get("OUT", "user_compare_out"))
@@ -296,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     write_chat_data(root / "chat.jsonl", tokens_needed=int(1.5 * args.batch * args.seq * args.steps))
     result: dict[str, Any] = {
         "env": environment(args.device),
-        "settings": {k: getattr(args, k) for k in ("model", "tools", "device", "batch", "seq", "steps", "warmup")}
+        "settings": {k: getattr(args, k) for k in _SETTINGS}
         | {"learning_rate": LEARNING_RATE, "lr_schedule": LR_SCHEDULE, "lora_rank": LORA_RANK},
         "command": command_line("benchmarks/user_compare.py", argv),
         "rows": [],
