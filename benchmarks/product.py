@@ -146,7 +146,7 @@ def prepare_product(
     )
     handle = registry.put("model", model)
     del model
-    lora = attach_lora(_spec(root, 1, seq, total_steps, "setup", device), handle)
+    lora = attach_lora(_spec(root, 1, seq, total_steps, "setup", device), handle, plan=plan)
     setup.update(kernels=lora.kernels, kernels_skipped=lora.kernels_skipped)
     examples = prepare_data(_spec(root, 1, seq, total_steps, "data", device), str(root / "model"))
     return ProductSetup(root, handle, lora, examples, plan, setup)
