@@ -145,11 +145,13 @@ def test_yaml_that_would_lose_settings(case, content, needle, tmp_path, capsys, 
 
 
 @pytest.mark.fault(
-    "Bad input: found by the flow",
+    "Bad input: a broken data line",
     stage="data",
-    expect="`slimtune run` exits 2 with one line naming file:line; no traceback without --debug",
+    expect="`slimtune run` exits 2 before loading, naming file:line; no traceback without --debug",
 )
-def test_data_error_in_the_flow_is_one_line_without_traceback(tmp_path, observe):
+def test_data_error_is_named_by_file_and_line_without_traceback(tmp_path, observe):
+    """The flow's own data loader named it once the run had started; the pre-run checks read the data as the
+    flow does (`slimtune.data_check`), so the run now stops before the flow with the same file:line."""
     import subprocess
 
     from faultlib import DATA, REPO
@@ -163,7 +165,8 @@ def test_data_error_in_the_flow_is_one_line_without_traceback(tmp_path, observe)
         [sys.executable, "-m", "slimtune.cli", "run", str(spec)], capture_output=True, text=True, env=env, timeout=600
     )
     errors = [line for line in done.stderr.splitlines() if line.startswith("slimtune: error:")]
+    named = [line.strip() for line in done.stderr.splitlines() if f"{data}:6" in line]
     assert done.returncode == EXIT_INVALID_SPEC, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert len(errors) == 1 and f"{data}:6" in errors[0], errors
-    observe(errors[0].replace(str(tmp_path), "…")[:200])
+    assert "Traceback" not in done.stderr and "Beginning flow run" not in done.stderr, done.stderr[-3000:]
+    assert len(errors) == 1 and len(named) == 1 and named[0].startswith(f"- {data}:6:"), done.stderr[-3000:]
+    observe(named[0].replace(str(tmp_path), "…")[:200])
