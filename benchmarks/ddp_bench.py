@@ -185,7 +185,7 @@ def _kernels(args: argparse.Namespace, model_dir: Path) -> str | list[str]:
     if args.parallelism == "ddp" or args.device == "cpu":
         return "auto"
     from slimtune.families import FAMILIES
-    from slimtune.train.settings import FSDP_EXCLUDED_KERNELS
+    from slimtune.train_settings import FSDP_EXCLUDED_KERNELS
 
     family = json.loads((model_dir / "config.json").read_text())["model_type"]
     return [k for k in FAMILIES[family].kernels if k not in FSDP_EXCLUDED_KERNELS]
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         data = _write_data(work / "data.jsonl", examples=rows_needed * 4, words=args.seq // 4)
 
     from slimtune.flows import ranks
-    from slimtune.train.settings import rank_checkpointing
+    from slimtune.train_settings import rank_checkpointing
 
     build_s = time.perf_counter() - built
     out.mkdir(parents=True, exist_ok=True)  # each part is kept if a later one does not finish within a time limit

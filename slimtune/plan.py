@@ -116,7 +116,7 @@ def train_estimate(
     where it fits, so what fits is decided without them."""
     # Imported here: the planner reads configs without loading torch's model code until it estimates.
     from slimtune.train.attention import varlen_expected
-    from slimtune.train.settings import rank_checkpointing, run_kernels
+    from slimtune.train_settings import rank_checkpointing, run_kernels
 
     # "auto" compute dtype: bf16 or fp16 on a GPU, fp32 on the CPU (`slimtune.device.resolve_compute_dtype`)
     dtype_bytes = DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
@@ -194,7 +194,7 @@ def _largest_seq(spec: PipelineSpec, cfg: dict, budget: Budget, micro_batch: int
 
 def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan], dict]:
     """Per-stage estimates with verdicts, and the largest micro-batch and sequence length that fit."""
-    from slimtune.train.settings import resolve_train  # here: it loads torch, which reading configs does not need
+    from slimtune.train_settings import resolve_train  # here: it loads torch, which reading configs does not need
 
     device_type = _device_type(spec, budget)
     dtype_bytes = DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)

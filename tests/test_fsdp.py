@@ -104,7 +104,7 @@ def test_the_guard_estimates_fsdp_per_rank(tmp_path):
     host_embedding out; with them, and "unsloth" checkpointing, one GPU fits this step in 9.97 GiB).
     """
     from slimtune.plan import train_estimate
-    from slimtune.train.settings import FSDP_EXCLUDED_KERNELS
+    from slimtune.train_settings import FSDP_EXCLUDED_KERNELS
 
     def estimate(num_gpus: int, parallelism: str, checkpointing: bool | str = True):
         spec = _spec(tmp_path, parallelism)
@@ -141,7 +141,7 @@ def test_fsdp_rank_beats_the_best_single_gpu_where_the_tables_are_small(tmp_path
     vocabulary the tables FSDP1 keeps gathered outweigh the sharded layers: the rank does not win there."""
     from benchmarks.common import MODEL_SHAPES
     from slimtune.plan import train_estimate
-    from slimtune.train.settings import FSDP_EXCLUDED_KERNELS
+    from slimtune.train_settings import FSDP_EXCLUDED_KERNELS
 
     def allocator(cfg: dict, num_gpus: int, checkpointing: bool | str, kernels: list[str]) -> float:
         spec = _spec(tmp_path, "fsdp")
@@ -233,7 +233,7 @@ def test_fsdp_refusals_name_the_fix(tmp_path):
 def test_fsdp_ranks_leave_out_what_fsdp1_cannot_train_through():
     """Kernels that read weights outside their FSDP unit, and "unsloth" checkpointing (stale parameters)."""
     from slimtune.spec import TrainSpec
-    from slimtune.train.settings import excluded_kernels, rank_checkpointing
+    from slimtune.train_settings import excluded_kernels, rank_checkpointing
 
     fsdp, ddp, one = TrainSpec(num_gpus=2, parallelism="fsdp"), TrainSpec(num_gpus=2), TrainSpec()
     assert set(excluded_kernels(fsdp)) == {"lora_nf4", "host_embedding"}

@@ -77,7 +77,8 @@ def test_init_proposes_the_largest_micro_batch_plan_reports(tmp_path, capsys):
         spec.write_text(capsys.readouterr().out)
         proposals[budget] = yaml.safe_load(spec.read_text())["train"]["micro_batch_size"]
         main(["plan", str(spec), "--gpu-memory", budget, "--set", "train.micro_batch_size=auto"])
-        reported = capsys.readouterr().out.splitlines()[-1]  # "largest micro-batch that fits at N tokens: X; ..."
+        out = capsys.readouterr().out.splitlines()  # "largest micro-batch that fits at N tokens: X; ..."
+        reported = next(line for line in out if line.startswith("largest micro-batch that fits"))
         largest = reported.split(": ")[1].split(";")[0]
         assert proposals[budget] == (1 if largest == "none" else int(largest)), (budget, reported)
     assert len(set(proposals.values())) >= 3, proposals  # the budgets did discriminate

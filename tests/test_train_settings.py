@@ -8,7 +8,7 @@ from pathlib import Path
 
 from slimtune.plan import Budget, plan, train_estimate
 from slimtune.spec import parse_spec
-from slimtune.train.settings import resolve_train
+from slimtune.train_settings import resolve_train
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "deployments" / "data" / "tiny_chat.jsonl"

@@ -42,7 +42,7 @@ from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 from slimtune.tasks.load_4bit import load_4bit
 from slimtune.tasks.packed_sft import packed_sft
-from slimtune.train.settings import resolve_train
+from slimtune.train_settings import resolve_train
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from slimtune.kernels import apply_kernels
 from slimtune.memory.checkpointing import checkpoint_pass, enable_checkpointing
 from slimtune.run_plan import RunPlan, plan_for
 from slimtune.spec import PipelineSpec
-from slimtune.train.settings import TrainSettings, resolve_train
+from slimtune.train_settings import TrainSettings, resolve_train
 
 log = logging.getLogger(__name__)
 _EMBEDDINGS = ("embed_tokens", "lm_head")

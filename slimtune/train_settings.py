@@ -3,7 +3,8 @@
 The flow's packed_sft task, `slimtune plan`, attach_lora and every torchrun rank read their micro-batch,
 accumulation, checkpointing, kernels, varlen attention, CUDA graphs and memory estimate from here, so the
 micro-batch the planner reports, the checkpointing attach_lora sets up and the kernels the guard's estimate
-assumes cannot drift apart.
+assumes cannot drift apart. A root module beside `slimtune.plan` (whose search primitives it uses, and which
+calls it): inside train/ the two would make an import cycle through that folder (tests/test_import_graph.py).
 """
 
 from __future__ import annotations
