@@ -83,7 +83,9 @@ def render(results: dict) -> str:
         f"Every release must pass the fault matrix in `tests/faults/` (CPU, tiny model): "
         f"`python -m pytest tests/faults`. Last run {results['generated']} on {results['platform']}: "
         f"{passed}/{len(results['tests'])} tests passed, {results['wall_s']:.0f} s wall, "
-        f"{results['cpu_s']:.0f} s CPU (server, worker and flow-run processes included).",
+        f"{results['cpu_s']:.0f} s CPU (server, worker and flow-run processes included"
+        + (f"; {results['timing_note']}" if results.get("timing_note") else "")
+        + ").",
         "",
         "| fault | stage | expected | observed | outcome |",
         "|---|---|---|---|---|",
