@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from model_configs import LLAMA_8B
 
 from slimtune.plan import Budget, auto_micro_batch, micro_batch_candidates, plan, render
 from slimtune.sizes import parse_size
@@ -13,18 +14,6 @@ from slimtune.spec import parse_spec
 
 _GIB = 1024**3
 DATA = Path(__file__).resolve().parent.parent / "deployments" / "data" / "tiny_chat.jsonl"
-LLAMA_8B = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "tie_word_embeddings": False,
-}
 
 
 def _spec(tmp_path: Path, **train):

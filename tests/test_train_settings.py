@@ -6,24 +6,14 @@ import ast
 import json
 from pathlib import Path
 
+from model_configs import LLAMA_8B
+
 from slimtune.plan import Budget, plan, train_estimate
 from slimtune.spec import parse_spec
 from slimtune.train_settings import resolve_train
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "deployments" / "data" / "tiny_chat.jsonl"
-LLAMA_8B = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "tie_word_embeddings": False,
-}
 # The decisions resolve_train makes: a reader calling one of these itself would decide them a second time.
 DECISIONS = {
     "auto_micro_batch",
