@@ -126,7 +126,7 @@ def worker(key: str, kernels: str, cells: list[dict], root: Path, results: Path,
     from slimtune.tasks.attach_lora import attach_lora
     from slimtune.tasks.load_4bit import load_4bit
     from slimtune.tasks.packed_sft import packed_sft, prepare_data
-    from slimtune.train.attention import varlen_expected
+    from slimtune.train.step.attention import varlen_expected
 
     model_dir, data = root / f"model-{key}", root / "calib.jsonl"
     base = _base_spec(model_dir, data, root / "runs", f"{key}-{kernels}", device)

@@ -36,7 +36,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from slimtune.memory.checkpointing import checkpoint_pass, enable_checkpointing
+from slimtune.train.step import LayerPass, enable_checkpointing
 
 GiB = 1024**3
 _SHAPES = {
@@ -145,6 +145,7 @@ def _run_config(
         kernels=kernels if isinstance(kernels, str) else ",".join(kernels or ["none"]),
     )
     handle = patch = None
+    layer_pass = LayerPass()  # which pass of a checkpointed layer runs, for lora_nf4
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -153,11 +154,11 @@ def _run_config(
         if mode == "hf":
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
-            handle = enable_checkpointing(model, mode)
+            handle = enable_checkpointing(model, mode, layer_pass)
         if kernels is not None:
             from slimtune.kernels import apply_kernels
 
-            patch = apply_kernels(model, kernels, checkpoint_pass=checkpoint_pass)
+            patch = apply_kernels(model, kernels, checkpoint_pass=layer_pass)
             if "fused_linear_ce" not in patch.applied:
                 raise RuntimeError(f"kernels {kernels}: fused_linear_ce not applied: {patch.skipped}")
             rec["kernels_applied"] = dict(patch.modules)

@@ -66,13 +66,13 @@ def _shape(model_key: str, layers: int) -> ModelShape:
 def _ours(shape: ModelShape):
     from benchmarks.common import attach_lora, build_random_model, quantize_nf4_
     from slimtune.kernels.apply import apply_kernels
-    from slimtune.memory.checkpointing import checkpoint_pass, enable_checkpointing
+    from slimtune.train.step import enable_checkpointing
 
     model = build_random_model(shape, "cuda")
     quantize_nf4_(model)
     model = attach_lora(model)
     handle = enable_checkpointing(model, "unsloth")
-    patch = apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
+    patch = apply_kernels(model, "auto", checkpoint_pass=handle.layer_pass)
     model.train()
     return model, (handle, patch)
 

@@ -17,7 +17,7 @@ in turn through:
 - `product`: `packed_sft` itself (Trainer, collator, callbacks), step cycles timed by a callback.
 
 It also times, on the same model, the host cost of Trainer's walks alone: the class's and, as `packed_sft`
-runs them, from `slimtune.train.walks.walks_from_lists` (`walks_host_ms`).
+runs them, from `slimtune.train.step.walks.walks_from_lists` (`walks_host_ms`).
 
 Each is timed over whole step cycles (host clock, the GPU drained at the end); rounds alternate so a slow
 spell of the machine hits every variant. Rows give the median cycle per variant over all rounds.
@@ -100,7 +100,7 @@ def _harness(model_key: str, batch: dict):
 def walk_ms(model: torch.nn.Module, reps: int = 50) -> dict[str, float]:
     """Host milliseconds of one step's Trainer walks (`train()`, `parameters()` for clipping, `zero_grad()`),
     median of `reps`: as the model's class does them, and from `walks_from_lists` (what `packed_sft` uses)."""
-    from slimtune.train.walks import walks_from_lists
+    from slimtune.train.step.walks import walks_from_lists
 
     def once() -> float:
         t0 = time.perf_counter()
@@ -136,7 +136,7 @@ def _packed(unpacked: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def measure(model_key: str, batches: list[int], seq: int, warmup: int, steps: int, rounds: int, scratch: Path):
-    from slimtune.train.attention import prefer_varlen
+    from slimtune.train.step.attention import prefer_varlen
 
     ps = prepare_product(model_key, max(batches), seq, (warmup + steps + 1) * rounds, "cuda", scratch)
     from slimtune import registry

@@ -98,10 +98,10 @@ def _prepare_variant(config: str, model: torch.nn.Module) -> tuple[Callable, dic
     """runner's configs, plus `ours_nogc` (kernels, no checkpointing), `ours_nokernels` (the reverse) and
     `ours_no_<kernel>` (ours without one kernel, e.g. `ours_no_lora_nf4`)."""
     from slimtune.kernels.apply import KERNEL_NAMES, apply_kernels
-    from slimtune.memory.checkpointing import checkpoint_pass, enable_checkpointing
+    from slimtune.train.step import enable_checkpointing
 
     if config == "ours_nogc":
-        patch = apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
+        patch = apply_kernels(model, "auto")  # no checkpointed layer: no pass to read
         return ours_loss, {"kernels": patch.modules}, patch.undo
     if config == "ours_nokernels":
         handle = enable_checkpointing(model, "unsloth")
@@ -111,7 +111,7 @@ def _prepare_variant(config: str, model: torch.nn.Module) -> tuple[Callable, dic
         if left_out not in KERNEL_NAMES:
             raise ValueError(f"{config}: {left_out!r} is not one of {KERNEL_NAMES}")
         handle = enable_checkpointing(model, "unsloth")
-        patch = apply_kernels(model, [k for k in KERNEL_NAMES if k != left_out], checkpoint_pass=checkpoint_pass)
+        patch = apply_kernels(model, [k for k in KERNEL_NAMES if k != left_out], checkpoint_pass=handle.layer_pass)
 
         def undo() -> None:
             patch.undo()

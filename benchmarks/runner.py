@@ -159,10 +159,10 @@ def _prepare(config: str, model: torch.nn.Module) -> tuple[Callable, dict[str, A
         return _plain_loss, {"liger": package_version("liger-kernel")}, lambda: None
     if config == "ours":
         from slimtune.kernels.apply import apply_kernels
-        from slimtune.memory.checkpointing import checkpoint_pass, enable_checkpointing
+        from slimtune.train.step import enable_checkpointing
 
         handle = enable_checkpointing(model, "unsloth")
-        patch = apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
+        patch = apply_kernels(model, "auto", checkpoint_pass=handle.layer_pass)
         notes = {"kernels": patch.modules, "kernels_skipped": patch.skipped, "offloading": handle.offloading}
 
         def undo() -> None:

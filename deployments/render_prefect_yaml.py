@@ -21,17 +21,12 @@ from typing import Any
 
 import yaml
 
+from slimtune.placement import CPU_SLOT, EXPORT_ENTRYPOINT, FINETUNE_ENTRYPOINT, work_queue
+
 REPO = Path(__file__).resolve().parent.parent
 TARGET = REPO / "prefect.yaml"
-ENTRYPOINT = "slimtune/flows/finetune.py:finetune"
-# Merge and GGUF of runs whose spec sets `pools.export: <pool>` run as the deployment `finetune-export/<pool>`
-# (slimtune/flows/export.py); the finetune run fills its parameters and job variables.
-EXPORT_ENTRYPOINT = "slimtune/flows/export.py:finetune_export"
 WORK_POOL = "gpu-hosts"
 CPU_POOL = "cpu-hosts"
-# The flow holds one slot per GPU of the global concurrency limit SLIMTUNE_GPU_SLOT names ("gpu" by default);
-# a CPU deployment names its own, so a CPU run never takes a GPU's slot.
-CPU_SLOT = "cpu"
 # What a GPU example ships with until the user makes it theirs: its schedule stays off until then, so a
 # `prefect deploy --all` does not start a weekly 7B run on the sample data that pushes to a repository nobody owns.
 SAMPLE_DATA = "deployments/data/"
@@ -124,7 +119,7 @@ def placement(spec: dict[str, Any]) -> dict[str, Any]:
             "job_variables": {"env": {"SLIMTUNE_GPU_SLOT": CPU_SLOT}},
         }
     gpus = (spec.get("train") or {}).get("num_gpus", 1)
-    return {"name": WORK_POOL, "work_queue_name": "default" if gpus == 1 else f"gpus-{gpus}", "job_variables": {}}
+    return {"name": WORK_POOL, "work_queue_name": work_queue(gpus), "job_variables": {}}
 
 
 def schedule_active(spec: dict[str, Any]) -> bool:
@@ -150,7 +145,7 @@ def render() -> str:
             {
                 "name": params["spec"].get("name", spec_file.stem),
                 "description": extra["description"],
-                "entrypoint": ENTRYPOINT,
+                "entrypoint": FINETUNE_ENTRYPOINT,
                 "tags": extra["tags"],
                 "parameters": params,
                 "schedules": [{**s, "active": active} for s in extra.get("schedules", [])],

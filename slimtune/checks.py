@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 def spec_problems(spec: PipelineSpec) -> list[str]:
     """Every problem found, one line each (empty when the run can start)."""
-    problems = _push_problems(spec) + _output_problems(spec) + _prefect_home_problems() + _device_problems(spec)
+    problems = _push_problems(spec) + _output_problems(spec) + prefect_home_problems() + _device_problems(spec)
     problems += _data_problems(spec)
     model_problems = _model_file_problems(spec)
     if not model_problems:  # a readable config.json: is the architecture supported, then its module names
@@ -84,7 +84,7 @@ def _output_problems(spec: PipelineSpec) -> list[str]:
     return []
 
 
-def _prefect_home_problems() -> list[str]:
+def prefect_home_problems() -> list[str]:
     """PREFECT_HOME holds the temporary server's database, persisted task results and the GPU lock file.
 
     A run that could not write it retried for ~200 s and printed ~1,000 lines with 8 tracebacks, none
@@ -171,12 +171,13 @@ def _model_file_problems(spec: PipelineSpec) -> list[str]:
 
 
 def meta_model(model_dir: Path) -> torch.nn.Module:
-    """The model of `model_dir`'s config.json, built on the meta device: shapes, no weights, no memory."""
+    """The model of `model_dir`'s config.json, built on the meta device: shapes, no weights, no memory; for a
+    multimodal checkpoint its language model, the model load_4bit loads and LoRA targets."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir).get_text_config())
 
 
 def model_modules(model: torch.nn.Module) -> tuple[list[str], list[str]]:

@@ -1,4 +1,4 @@
-"""Command line: `slimtune run|validate SPEC [--set a.b=value]`, `init`, `generate`, `chat`, `eval`.
+"""Command line: `slimtune run|validate|plan SPEC [--set a.b=value]`, `deploy`, `init`, `generate`, `chat`, `eval`.
 
 Failures end with one line, `slimtune: error: <reason>`, and a non-zero exit code, so that scripts and
 schedulers can tell what went wrong without reading a traceback.
@@ -50,6 +50,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--verbose", action="store_true", help="also show Prefect's notices, library warnings and MLflow's INFO lines"
     )
+    dep = sub.add_parser("deploy", help="register SPEC as a Prefect deployment, its runs sized by the plan")
+    dep.add_argument("spec", help="path to a YAML spec")
+    dep.add_argument("--pool", required=True, help="the work pool of its runs (merge and GGUF: pools.export's)")
+    dep.add_argument(
+        "--cron", action="append", default=[], help="a schedule, cron in UTC (repeatable), e.g. '0 3 * * *'"
+    )
+    dep.add_argument(
+        "--source", help="where workers get slimtune: a git URL (cloned per run) or a folder (default: this checkout)"
+    )
+    add_set_argument(dep)
     _add_workflow_commands(sub)
     for command in sub.choices.values():
         command.add_argument(
@@ -160,7 +170,7 @@ def _bad_input(exc: BaseException) -> bool:
 def _command(args: argparse.Namespace) -> int:
     if getattr(args, "func", None) is not None:
         return args.func(args)
-    from slimtune.checks import spec_problems
+    from slimtune.checks import prefect_home_problems, spec_problems
     from slimtune.model_source import ModelSourceError, architecture_problem
     from slimtune.spec import SpecError, load_spec
 
@@ -177,9 +187,16 @@ def _command(args: argparse.Namespace) -> int:
     if problem:  # one line: nothing else matters for a model we cannot read or run
         print(f"slimtune: error: {problem}", file=sys.stderr)
         return EXIT_INVALID_SPEC
+    if args.command == "run" and not prefect_home_problems():  # the one check the server itself needs
+        from slimtune.console import quiet_start
+        from slimtune.interrupt import start_prefect_server_in_background
+
+        if not args.verbose:
+            quiet_start()
+        server_started = start_prefect_server_in_background()  # it boots while the checks and the flow import
     # The machine and the files the spec names, before any model loads. Not for `plan`, which answers "would
-    # this fit that card?" on any machine.
-    if args.command != "plan" and (problems := spec_problems(spec)):
+    # this fit that card?" on any machine, nor `deploy`, which registers runs for other machines.
+    if args.command not in ("plan", "deploy") and (problems := spec_problems(spec)):
         print(SpecError(problems, args.spec), file=sys.stderr)
         print(f"slimtune: error: {len(problems)} problem(s) in {args.spec}", file=sys.stderr)
         return EXIT_INVALID_SPEC
@@ -196,22 +213,22 @@ def _command(args: argparse.Namespace) -> int:
         rows, limits = plan(spec, cfg, budget)
         print(render(spec, rows, limits, budget))
         return 0 if all(r.gpu_fits is not False and r.host_fits is not False for r in rows) else 1
+    if args.command == "deploy":
+        return _deploy(args, spec)
     from prefect.exceptions import TerminationSignal
 
-    from slimtune.console import hide_tracebacks, quiet_start
+    from slimtune.console import hide_tracebacks
     from slimtune.data import DataError
-    from slimtune.interrupt import Interrupted, exit_code, exit_now, interruptible, start_shielded_prefect_server
+    from slimtune.interrupt import Interrupted, exit_code, exit_now, interruptible
     from slimtune.run_lock import RunLocked, run_lock
 
     try:
         with run_lock(spec.run_dir()), interruptible():
-            if not args.verbose:
-                quiet_start()
             from slimtune.flows import finetune
 
             if not args.debug:
                 hide_tracebacks()  # after the flow's import: importing Prefect's flow API configures its logging
-            start_shielded_prefect_server()
+            server_started()
             summary = finetune(spec)
     except (RunLocked, SpecError, DataError, ModelSourceError) as e:  # bad input found by the flow itself
         print(f"slimtune: error: {_one_line(e)}", file=sys.stderr)
@@ -244,6 +261,19 @@ def _print_validated(args: argparse.Namespace, spec) -> int:
 
         print(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False), end="")
     print(f"slimtune: {args.spec} is valid", file=sys.stderr)
+    return 0
+
+
+def _deploy(args: argparse.Namespace, spec) -> int:
+    """`slimtune deploy SPEC --pool POOL`: what was registered (JSON), or one line and exit 2 for bad input."""
+    from slimtune.deploy import DeployError, deploy
+    from slimtune.model_source import ModelSourceError
+
+    try:
+        done = deploy(spec, args.pool, crons=args.cron, source=args.source)
+    except (DeployError, ModelSourceError) as e:
+        return _fail(e, EXIT_INVALID_SPEC)
+    print(json.dumps(done, indent=2))
     return 0
 
 

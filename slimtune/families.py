@@ -7,9 +7,7 @@ memory estimates (shape quirks), and the GGUF converter (llama.cpp architecture,
 hyper-parameters). Adding a dense architecture means adding a row; its GGUF tensor names come from
 `gguf`'s own tables (`gguf.MODEL_TENSORS`, `gguf.TensorNameMap`).
 
-What llama.cpp needs was read in llama.cpp's model loaders as vendored by llama-cpp-python 0.3.36
-(`src/models/<arch>.cpp`) and checked by converting each tiny model and comparing llama.cpp's logits
-with transformers' (tests/test_gguf_quant_verify.py).
+The functions a row names for its GGUF keys and refusals are in `slimtune.family_configs`.
 """
 
 from __future__ import annotations
@@ -19,6 +17,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gguf
+
+from slimtune.family_configs import (
+    gemma2_hparams,
+    gemma3_hparams,
+    gemma4_check,
+    gemma4_hparams,
+    gemma_attention_scale,
+    granite_check,
+    granite_hparams,
+    phi3_check,
+    phi3_hparams,
+    qwen35_check,
+    qwen35_hparams,
+    smollm3_check,
+)
+from slimtune.multimodal import LAYOUTS, layout_of, layout_problem, text_model_config
 
 # The Triton kernels of slimtune.kernels (defined here so that the spec can validate names without
 # importing torch): each family says, per kernel, either that it applies or why that part stays eager.
@@ -40,6 +54,9 @@ class Family:
     eager: dict[str, str]  # every other kernel -> why that part stays eager here
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # fused linear -> the projections it holds
+    # Hybrid models (Qwen3.5): the linear-attention layers' projections, trained wherever attention's are (a
+    # target list naming any of q/k/v/o_proj gets them too), so the default targets reach every layer's mixer.
+    linear_attention_targets: tuple[str, ...] = ()
     frozen_linears: tuple[str, ...] = ()  # a layer's other linears, which the default targets leave frozen
     # The projection whose output is only summed into the residual stream (no norm reads it), so a
     # checkpointing recompute may skip computing it; None where a post-norm reads it (Gemma 2/3, OLMo 2).
@@ -66,184 +83,10 @@ class Family:
         return gguf.MODEL_ARCH_NAMES[self.gguf_arch]
 
 
-def _layer_types(config: dict[str, Any], default: Callable[[int], bool]) -> list[bool]:
-    """Per layer, True where attention is sliding-window (transformers 5 `layer_types`, else the pattern)."""
-    n = int(config["num_hidden_layers"])
-    types = config.get("layer_types")
-    if types:
-        return [t == "sliding_attention" for t in types]
-    return [default(i) for i in range(n)]
-
-
-def _gemma2_hparams(config: dict[str, Any]) -> dict[str, Any]:
-    attn, final = config.get("attn_logit_softcapping"), config.get("final_logit_softcapping")
-    return {
-        gguf.Keys.LLM.ATTN_LOGIT_SOFTCAPPING: None if attn is None else float(attn),
-        gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING: None if final is None else float(final),
-        gguf.Keys.Attention.SLIDING_WINDOW: config["sliding_window"],
-        # llama.cpp's default Gemma 2 pattern is every other layer; the exact per-layer list is written
-        gguf.Keys.Attention.SLIDING_WINDOW_PATTERN: _layer_types(config, lambda i: (i + 1) % 2 == 1),
-    }
-
-
-def _gemma3_hparams(config: dict[str, Any]) -> dict[str, Any]:
-    pattern = config.get("sliding_window_pattern", 6)
-    out = {
-        gguf.Keys.Attention.SLIDING_WINDOW: config["sliding_window"],
-        gguf.Keys.Attention.SLIDING_WINDOW_PATTERN: _layer_types(config, lambda i: (i + 1) % pattern != 0),
-        "{arch}.rope.freq_base_swa": float(_local_rope_theta(config)),
-    }
-    if config.get("final_logit_softcapping"):
-        out[gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING] = float(config["final_logit_softcapping"])
-    return out
-
-
-def _local_rope_theta(config: dict[str, Any]) -> float:
-    params = config.get("rope_parameters") or {}
-    local = params.get("sliding_attention") or {}
-    return float(local.get("rope_theta", config.get("rope_local_base_freq", 10000.0)))
-
-
-def _gemma_attention_scale(config: dict[str, Any]) -> str | None:
-    """llama.cpp scales Gemma 2/3 queries by 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 27B sizes),
-    while transformers uses query_pre_attn_scalar: refuse a config where the two differ."""
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    scalar = config.get("query_pre_attn_scalar", head_dim)
-    big = int(config["num_hidden_layers"]) in ((46, 62) if config["model_type"] == "gemma3_text" else (46,))
-    expected = config["hidden_size"] // config["num_attention_heads"] if big else head_dim
-    if scalar != expected:
-        return f"query_pre_attn_scalar {scalar} differs from the {expected} llama.cpp uses for this size"
-    return None
-
-
-def _phi3_hparams(config: dict[str, Any]) -> dict[str, Any]:
-    rope = config.get("rope_parameters") or {}
-    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    # Phi-4-mini rotates 3/4 of each head (transformers: int(head_dim * factor) rotary dims)
-    rope_dims = int(factor * config["hidden_size"]) // config["num_attention_heads"]
-    out: dict[str, Any] = {gguf.Keys.Rope.DIMENSION_COUNT: rope_dims}
-    # llama.cpp reads Phi-3's sliding window but ignores it (its phi3 loader turns SWA off): 0 says "none"
-    out[gguf.Keys.Attention.SLIDING_WINDOW] = int(config.get("sliding_window") or 0)
-    orig = rope.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
-    if orig:
-        out[gguf.Keys.Rope.SCALING_ORIG_CTX_LEN] = int(orig)
-    return out
-
-
-def _phi3_check(config: dict[str, Any]) -> str | None:
-    """Phi-3 128k / Phi-3.5 / Phi-4-mini extend context with longrope, which llama.cpp's phi3 takes as
-    rope_factors_long/short tensors (one factor per rotary frequency); any other rope scaling it does not."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    if kind == "default":
-        return None
-    if kind not in ("longrope", "su"):
-        return f"rope scaling {kind!r} is not converted for phi3 (only longrope, which llama.cpp's phi3 reads)"
-    n_freq = _phi3_hparams(config)[gguf.Keys.Rope.DIMENSION_COUNT] // 2
-    for key in ("long_factor", "short_factor"):
-        n = len(rope.get(key) or [])
-        if n != n_freq:
-            return f"longrope {key} has {n} values; llama.cpp needs one per rotary frequency ({n_freq})"
-    return None
-
-
-def _granite_hparams(config: dict[str, Any]) -> dict[str, Any]:
-    return {
-        gguf.Keys.LLM.EMBEDDING_SCALE: float(config.get("embedding_multiplier", 1.0)),
-        gguf.Keys.LLM.RESIDUAL_SCALE: float(config.get("residual_multiplier", 1.0)),
-        gguf.Keys.Attention.SCALE: float(config.get("attention_multiplier", 1.0)),
-        gguf.Keys.LLM.LOGIT_SCALE: float(config.get("logits_scaling", 1.0)),
-    }
-
-
-def _granite_check(config: dict[str, Any]) -> str | None:
-    head_dim = config.get("head_dim")
-    if head_dim and head_dim != config["hidden_size"] // config["num_attention_heads"]:
-        return f"head_dim {head_dim} is not hidden_size / num_attention_heads, which llama.cpp's granite assumes"
-    return None
-
-
-def _smollm3_check(config: dict[str, Any]) -> str | None:
-    """llama.cpp's smollm3 hard-codes its NoPE layers (every 4th: layer i skips RoPE where (i + 1) % 4 == 0) and
-    has no sliding window; refuse a config whose layers differ, which no GGUF key could tell llama.cpp."""
-    n = int(config["num_hidden_layers"])
-    interval = int(config.get("no_rope_layer_interval") or 4)
-    uses_rope = [bool(r) for r in config.get("no_rope_layers") or [(i + 1) % interval != 0 for i in range(n)]][:n]
-    if uses_rope != [(i + 1) % 4 != 0 for i in range(n)]:
-        nope = [i for i, r in enumerate(uses_rope) if not r]
-        return f"NoPE layers {nope} differ from every 4th layer (3, 7, ...), which llama.cpp's smollm3 hard-codes"
-    # transformers' default layer_types make the NoPE layers the sliding ones
-    types = config.get("layer_types") or ["full_attention" if r else "sliding_attention" for r in uses_rope]
-    if config.get("use_sliding_window") and config.get("sliding_window") and "sliding_attention" in types:
-        return "sliding-window layers (use_sliding_window); llama.cpp's smollm3 attends to the whole context"
-    return None
-
-
-def gemma4_sliding_layers(config: dict[str, Any]) -> list[bool]:
-    """Per Gemma 4 layer, True where attention is sliding-window (transformers' default: five of every six)."""
-    return _layer_types(config, lambda i: (i + 1) % 6 != 0)
-
-
-def full_attention_head_dim(config: dict[str, Any]) -> int:
-    """The head size of full-attention layers: Gemma 4's `global_head_dim` (transformers 5 saves it as the full
-    layers' `per_layer_config` head_dim), else `head_dim`."""
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    if config.get("global_head_dim"):
-        return int(config["global_head_dim"])
-    full = [i for i, sliding in enumerate(_layer_types(config, lambda i: False)) if not sliding]
-    per_layer = config.get("per_layer_config") or {}
-    return next((int(per_layer[str(i)]["head_dim"]) for i in full if "head_dim" in per_layer.get(str(i), {})), head_dim)
-
-
-def _gemma4_hparams(config: dict[str, Any]) -> dict[str, Any]:
-    """What llama.cpp's gemma4 loader reads: full-attention head sizes in key/value_length, sliding ones in *_swa,
-    the per-layer window pattern, how many trailing layers reuse earlier layers' KV, and the per-layer input width."""
-    head_dim, full = int(config["head_dim"]), full_attention_head_dim(config)
-    sliding = gemma4_sliding_layers(config)
-    swa_rope = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
-    n, shared = int(config["num_hidden_layers"]), int(config.get("num_kv_shared_layers") or 0)
-    wide = 2 if config.get("use_double_wide_mlp") else 1  # use_double_wide_mlp: KV-shared layers have 2x the MLP
-    return {
-        gguf.Keys.LLM.FEED_FORWARD_LENGTH: [
-            config["intermediate_size"] * (wide if i >= n - shared else 1) for i in range(n)
-        ],
-        gguf.Keys.Attention.KEY_LENGTH: full,
-        gguf.Keys.Attention.VALUE_LENGTH: full,
-        gguf.Keys.Attention.KEY_LENGTH_SWA: head_dim,
-        gguf.Keys.Attention.VALUE_LENGTH_SWA: head_dim,
-        gguf.Keys.Rope.DIMENSION_COUNT: full,  # proportional rope: the rope_freqs tensor stops the unrotated pairs
-        gguf.Keys.Rope.DIMENSION_COUNT_SWA: int(head_dim * float(swa_rope.get("partial_rotary_factor", 1.0))),
-        gguf.Keys.Attention.SLIDING_WINDOW: config["sliding_window"],
-        gguf.Keys.Attention.SLIDING_WINDOW_PATTERN: sliding,
-        gguf.Keys.Attention.SHARED_KV_LAYERS: shared,
-        gguf.Keys.LLM.EMBD_LENGTH_PER_LAYER_INP: int(config.get("hidden_size_per_layer_input") or 0),
-        "{arch}.rope.freq_base_swa": _local_rope_theta(config),
-        # llama.cpp's gemma4 caps at 30 unless told (0 turns it off); transformers caps only where the config says
-        gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING: float(config.get("final_logit_softcapping") or 0.0),
-    }
-
-
-def _gemma4_check(config: dict[str, Any]) -> str | None:
-    """What llama.cpp's gemma4 (0.3.36) cannot reproduce, or slimtune does not train."""
-    if config.get("enable_moe_block"):
-        return "the mixture-of-experts block (Gemma 4 26B-A4B) is not supported"
-    if config.get("hidden_size_per_layer_input") and config.get("vocab_size_per_layer_input") != config["vocab_size"]:
-        return "vocab_size_per_layer_input differs from vocab_size; llama.cpp reads one per-layer row per token"
-    if not any(gemma4_sliding_layers(config)):  # llama.cpp aborts the process loading it (GGML_ASSERT is_swa_any)
-        return "no sliding-window layer (see layer_types): llama.cpp's gemma4 needs at least one"
-    shared = int(config.get("num_kv_shared_layers") or 0)
-    if shared:
-        # llama.cpp: a shared layer reads the last unshared global layer's KV, or the one before it for sliding
-        # layers; transformers reads the last unshared layer of the same type
-        sliding = gemma4_sliding_layers(config)
-        first = int(config["num_hidden_layers"]) - shared
-        if first < 2 or sliding[first - 1] or not sliding[first - 2]:
-            return f"the last unshared layers ({first - 2}, {first - 1}) must be sliding then global for llama.cpp"
-    return None
-
-
 _LLAMA_KERNELS = ("rms_norm", "rope", "swiglu", "fused_linear_ce", "lora_nf4", "host_embedding")
 _GEMMA_KERNELS = ("rms_norm", "rope", "geglu", "fused_linear_ce", "lora_nf4", "host_embedding")
+_DELTANET = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")  # Gated DeltaNet in/out projections
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 _ROWS = (
     Family(
@@ -296,6 +139,40 @@ _ROWS = (
         chat_template="chatml",
     ),
     Family(
+        "qwen3_5_text",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5TextConfig",
+        # Qwen3.5's layer pattern (three Gated DeltaNet layers, then one gated full-attention layer: 4 layers) and
+        # its quarter-width rotary; 4 value heads on 2 key heads, as the released 2:1, so the converter's
+        # head reorder is exercised.
+        tiny={
+            "head_dim": 64,
+            "num_hidden_layers": 4,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        },
+        kernels=("swiglu", "fused_linear_ce", "lora_nf4", "host_embedding"),
+        eager={
+            "rms_norm": "the DeltaNet's output norm is gated (Qwen3_5RMSNormGated), which the kernel does not do",
+            "rope": "a quarter of each head rotates, and q_proj carries the output gate beside the queries",
+            "geglu": _NOT_GELU,
+        },
+        # attention, the DeltaNet's input and output projections, the MLP; conv1d, A_log, dt_bias and norms stay frozen
+        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", *_DELTANET, "gate_proj", "up_proj", "down_proj"),
+        linear_attention_targets=_DELTANET,
+        norm_offset=1.0,  # (1 + w), except the DeltaNet's gated norm (slimtune.export.gguf_deltanet)
+        qk_norm="head",
+        layer_norms=3,  # input and post-attention norms, and the DeltaNet's gated output norm (linear layers)
+        gguf_arch=gguf.MODEL_ARCH.QWEN35,
+        gguf_hparams=qwen35_hparams,
+        check_config=qwen35_check,
+        tokenizer_pre="qwen35",
+        chat_template="qwen3.5 (ChatML with <think> blocks)",
+    ),
+    Family(
         "gemma",
         "GemmaForCausalLM",
         "GemmaConfig",
@@ -337,8 +214,8 @@ _ROWS = (
         sliding_window_kwarg=True,
         sdpa=False,
         gguf_arch=gguf.MODEL_ARCH.GEMMA2,
-        gguf_hparams=_gemma2_hparams,
-        check_config=_gemma_attention_scale,
+        gguf_hparams=gemma2_hparams,
+        check_config=gemma_attention_scale,
         tokenizer_pre="default (SentencePiece)",
         chat_template="gemma",
     ),
@@ -367,8 +244,8 @@ _ROWS = (
         layer_norms=4,
         sliding_window_kwarg=True,
         gguf_arch=gguf.MODEL_ARCH.GEMMA3,
-        gguf_hparams=_gemma3_hparams,
-        check_config=_gemma_attention_scale,
+        gguf_hparams=gemma3_hparams,
+        check_config=gemma_attention_scale,
         tokenizer_pre="default (SentencePiece)",
         chat_template="gemma",
     ),
@@ -401,8 +278,8 @@ _ROWS = (
         layer_norms=5,  # Gemma 3's four and the per-layer input's post-norm (v_norm has no weight)
         sliding_window_kwarg=True,
         gguf_arch=gguf.MODEL_ARCH.GEMMA4,
-        gguf_hparams=_gemma4_hparams,
-        check_config=_gemma4_check,
+        gguf_hparams=gemma4_hparams,
+        check_config=gemma4_check,
         tokenizer_pre="gemma4 (llama.cpp's own tokenizer model)",
         chat_template="gemma4",
     ),
@@ -422,8 +299,8 @@ _ROWS = (
         fused={"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
         sliding_window_kwarg=True,
         gguf_arch=gguf.MODEL_ARCH.PHI3,
-        gguf_hparams=_phi3_hparams,
-        check_config=_phi3_check,
+        gguf_hparams=phi3_hparams,
+        check_config=phi3_check,
         tokenizer_pre="gpt-4o",
         chat_template="phi3",
     ),
@@ -447,8 +324,8 @@ _ROWS = (
         tied_default=True,
         permute_qk=True,  # llama.cpp's granite uses LLAMA-style rope
         gguf_arch=gguf.MODEL_ARCH.GRANITE,
-        gguf_hparams=_granite_hparams,
-        check_config=_granite_check,
+        gguf_hparams=granite_hparams,
+        check_config=granite_check,
         tokenizer_pre="refact",
         chat_template="granite",
     ),
@@ -464,7 +341,7 @@ _ROWS = (
         sliding_window_kwarg=True,
         gguf_arch=gguf.MODEL_ARCH.SMOLLM3,
         permute_qk=True,  # llama.cpp's smollm3 uses LLAMA-style rope (its converter is the llama one)
-        check_config=_smollm3_check,
+        check_config=smollm3_check,
         tokenizer_pre="llama-bpe",
         chat_template="smollm3 (ChatML with a /think, /no_think system header)",
     ),
@@ -508,14 +385,17 @@ def family_of(config: dict[str, Any]) -> Family | None:
 
 def check_architecture(config: dict[str, Any]) -> str | None:
     """One line naming the model_type and the supported ones when slimtune cannot run this config, else None."""
+    if layout_of(config) is not None:  # its language model is trained: that model's config decides
+        return layout_problem(config) or check_architecture(text_model_config(config))
     model_type = config.get("model_type", "?")
     archs = ", ".join(config.get("architectures") or []) or "no architectures listed"
     family = FAMILIES.get(str(model_type))
     if family is None:
         return (
             f"model.name_or_path: architecture {model_type!r} ({archs}) is not supported; slimtune supports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (dense decoder-only models; mixture-of-experts and multimodal "
-            "checkpoints are not)"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (dense decoder-only models) and the language model of "
+            f"{', '.join(LAYOUTS)} multimodal checkpoints (mixture-of-experts and other multimodal checkpoints "
+            "are not)"
         )
     problem = family.check_config(config) if family.check_config else None
     if problem:
@@ -530,7 +410,10 @@ def lora_target_modules(model_type: str, requested: list[str] | str) -> list[str
         ValueError: a fused family asked for only part of a fused projection (e.g. q_proj alone in Phi-3).
     """
     family = FAMILIES.get(model_type)
-    if family is None or isinstance(requested, str) or not family.fused:
+    if family is None or isinstance(requested, str):
+        return requested
+    requested = _with_linear_attention(family, requested)
+    if not family.fused:
         return requested
     part_of = {part: fused for fused, parts in family.fused.items() for part in parts}
     out: list[str] = []
@@ -553,4 +436,12 @@ def canonical_targets(model_type: str, targets: list[str]) -> list[str]:
     """The separate projections behind `targets` (qkv_proj -> q_proj, k_proj, v_proj), for shape arithmetic."""
     family = FAMILIES.get(model_type)
     fused = family.fused if family else {}
+    targets = _with_linear_attention(family, targets) if family else targets
     return list(dict.fromkeys(p for t in targets for p in fused.get(t, (t,))))
+
+
+def _with_linear_attention(family: Family, requested: list[str]) -> list[str]:
+    """`requested` plus the linear-attention layers' projections where it names an attention projection."""
+    if not family.linear_attention_targets or not set(requested) & set(_ATTENTION):
+        return requested
+    return list(dict.fromkeys([*requested, *family.linear_attention_targets]))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from slimtune.export.gguf_adapter import ADAPTER_GGUF_SUFFIX
+from slimtune.multimodal import text_model_load_kwargs
 
 # Default GGUF when the run wrote several: the most precise type first (what the run verified best).
 PRECISION_ORDER = (
@@ -117,7 +118,8 @@ def load_hf_model(model_dir: Path, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if device == "cpu" else "auto"
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **text_model_load_kwargs(model_dir))
+    return model.to(device).eval()  # a multimodal checkpoint: its language model (text in, text out)
 
 
 class HFBackend:

@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 GRACE_S = 8.0  # the run must be gone within 10 s of the first signal
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -120,6 +120,35 @@ def start_shielded_prefect_server() -> None:
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         atexit.register(_stop_prefect_server)  # after start()'s own: atexit runs last in, first out
+
+
+def start_prefect_server_in_background() -> Callable[[], None]:
+    """`start_shielded_prefect_server` on a daemon thread; returns the call that waits for it and raises what it
+    raised.
+
+    The server boots in a process of its own, so on a machine with a free core it comes up while this one
+    imports torch and transformers for the checks and the flow (~12 s on an H200 host, where the server took
+    ~9 s after them). The signal mask is the starting thread's, which the server inherits, so the main thread
+    keeps taking Ctrl-C; a daemon thread never holds up an exit (bad input found meanwhile), and the server's
+    watcher (`slimtune.parent_watch`) ends it with this process.
+    """
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            start_shielded_prefect_server()
+        except BaseException as e:  # handed to the main thread, which raises it
+            failed.append(e)
+
+    thread = threading.Thread(target=start, name="slimtune-server", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if failed:
+            raise failed[0]
+
+    return wait
 
 
 def _watch(read_fd: int, grace_s: float) -> None:

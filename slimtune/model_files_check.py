@@ -12,6 +12,7 @@ on the meta device (no memory). Pre-quantized bitsandbytes checkpoints are compa
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from slimtune.merge.prequantized import is_prequantized, split_stored_4bit
 from slimtune.merge.safetensors_io import TensorEntry, read_entries
 from slimtune.model_source import ModelSourceError, check_model_dir, read_model_json
+from slimtune.multimodal import layout_of, text_key
 from slimtune.spec import ModelSpec
 
 _INDEX = "model.safetensors.index.json"
@@ -45,6 +47,8 @@ def weight_file_problems(model: ModelSpec, model_dir: Path, meta_model: torch.nn
         return problems
     if is_prequantized(config):  # packed uint8 halves: compare the shapes recorded in their quant_state
         entries, _ = split_stored_4bit(entries)
+    if layout_of(config):  # a multimodal checkpoint: `meta_model` is its language model, read from these keys
+        entries = [replace(e, name=name) for e in entries if (name := text_key(e.name)) is not None]
     return _shape_problems(model_dir, entries, meta_model, config)
 
 

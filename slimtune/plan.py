@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from slimtune.memory.estimate import Estimate, estimate_export, estimate_load_4bit, estimate_merge, estimate_train
+from slimtune.multimodal import copied_bytes, trained_config
 from slimtune.spec import PipelineSpec
 
 _GIB = 1024**3
@@ -115,7 +116,7 @@ def train_estimate(
     `cuda_graphs` adds what graphs of the layers' backward hold; they are an extra that packed_sft uses only
     where it fits, so what fits is decided without them."""
     # Imported here: the planner reads configs without loading torch's model code until it estimates.
-    from slimtune.train.attention import varlen_expected
+    from slimtune.train.step.attention import varlen_expected
     from slimtune.train_settings import rank_checkpointing, run_kernels
 
     # "auto" compute dtype: bf16 or fp16 on a GPU, fp32 on the CPU (`slimtune.device.resolve_compute_dtype`)
@@ -196,6 +197,8 @@ def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan]
     """Per-stage estimates with verdicts, and the largest micro-batch and sequence length that fit."""
     from slimtune.train_settings import resolve_train  # here: it loads torch, which reading configs does not need
 
+    copied = copied_bytes(cfg)
+    cfg = trained_config(cfg)  # a multimodal checkpoint: its language model is what is loaded and trained
     device_type = _device_type(spec, budget)
     dtype_bytes = DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
     fits = budget.gpu_fits
@@ -211,6 +214,7 @@ def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan]
             cfg,
             max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9),
             output_dtype_bytes=DTYPE_BYTES.get(spec.merge.output_dtype, 2),
+            copied_bytes=copied,
         )
         if spec.export.gguf:
             stages["gguf_convert_and_push"] = estimate_export(cfg, out_types=spec.export.gguf)

@@ -14,6 +14,7 @@ import torch
 
 from slimtune.device import resolve_compute_dtype, resolve_device
 from slimtune.model_source import check_model_dir, local_model_dir
+from slimtune.multimodal import trained_config
 from slimtune.spec import PipelineSpec
 
 
@@ -52,7 +53,7 @@ def resolve_plan(spec: PipelineSpec) -> RunPlan:
         RuntimeError: model.device or model.compute_dtype is not available on this machine.
     """
     model_dir = local_model_dir(spec.model)
-    config = check_model_dir(spec.model, model_dir)
+    config = trained_config(check_model_dir(spec.model, model_dir))  # a multimodal one's language model
     device = resolve_device(spec.model.device)
     dtype = resolve_compute_dtype(spec.model.compute_dtype, device)
     return RunPlan(

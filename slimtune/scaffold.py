@@ -18,8 +18,9 @@ from typing import Any
 import yaml
 
 from slimtune.data import DataError, FieldError, detect_format, iter_records, render
-from slimtune.families import check_architecture
+from slimtune.families import FAMILIES, check_architecture
 from slimtune.model_source import read_config
+from slimtune.multimodal import layout_of, trained_config
 from slimtune.plan import Budget, detected_gpu_total, plan
 from slimtune.spec import DEFAULT_TARGETS, DataSpec, ModelSpec, PipelineSpec, SpecError, TrainSpec, parse_spec
 from slimtune.tiny import ensure_builtin, is_builtin
@@ -164,9 +165,12 @@ def scaffold_spec(model: str, data: str, *, gpu_memory: int | None = None, name:
         cfg = read_config(model_dir)
     except ValueError as e:
         raise ScaffoldError(f"--model {model}: {e}") from None
-    family = cfg.get("model_type", "?")
     if problem := check_architecture(cfg):
         raise ScaffoldError(f"--model {model}: {problem}")
+    family = cfg["model_type"]
+    if layout_of(cfg):
+        cfg = trained_config(cfg)
+        family += f", its language model {cfg['model_type']} trained, the vision tower left as it is"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     has_template = bool(tokenizer.chat_template)
     try:
@@ -215,7 +219,7 @@ def scaffold_spec(model: str, data: str, *, gpu_memory: int | None = None, name:
         "lora:",
         line("r", _LORA_R, f"rank {_LORA_R} on all projections: the QLoRA paper's setting"),
         line("alpha", _LORA_R, "update scaled by alpha / r = 1"),
-        line("target_modules", DEFAULT_TARGETS, "attention and MLP projections of every layer"),
+        line("target_modules", DEFAULT_TARGETS, _targets_note(family)),
         line(
             "gradient_checkpointing",
             checkpointing,
@@ -252,3 +256,12 @@ def scaffold_spec(model: str, data: str, *, gpu_memory: int | None = None, name:
     except SpecError as e:  # a bug here, not the user's: say so rather than print a spec that fails
         raise ScaffoldError(f"the proposed spec does not validate ({e}); please report it") from None
     return text
+
+
+def _targets_note(model_type: str) -> str:
+    """What the default targets train in this family (a hybrid model's linear-attention layers get their own)."""
+    row = FAMILIES.get(model_type)
+    if row is None or not row.linear_attention_targets:
+        return "attention and MLP projections of every layer"
+    deltanet = ", ".join(row.linear_attention_targets)
+    return f"attention and MLP projections, and {deltanet} on linear-attention layers (conv1d, A_log, dt_bias frozen)"

@@ -222,6 +222,28 @@ def ensure_builtin(name: str) -> Path:
     return _cached(family, family, lambda out: save_tiny(out, family))
 
 
+def save_tiny_multimodal(out_dir: Path, text_dir: Path, model_type: str = "gemma3", seed: int = 0) -> Path:
+    """A multimodal checkpoint around the tiny text model in `text_dir`: its weights as the language model and a
+    seeded random vision tower of the layout's tiny sizes, saved as transformers saves the layout (safetensors)."""
+    import torch
+    import transformers
+
+    from slimtune.multimodal import LAYOUTS
+
+    layout = LAYOUTS[model_type]
+    text = transformers.AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    config = transformers.AutoConfig.for_model(model_type, text_config=text.config.to_dict(), **layout.tiny)
+    config.architectures = [layout.architecture]
+    config.tie_word_embeddings = text.config.tie_word_embeddings  # the layouts' default is tied, Mistral's is not
+    torch.manual_seed(seed)
+    model = getattr(transformers, layout.architecture)(config)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    model.save_pretrained(out_dir)
+    transformers.AutoTokenizer.from_pretrained(text_dir).save_pretrained(out_dir)
+    return out_dir
+
+
 def ensure_pretrained(family: str, tokenizer_style: str = "bpe", steps: int = 150) -> Path:
     """A tiny `family` model after `pretrain(steps)` with the byte-level BPE tokenizer ("bpe") or a
     SentencePiece-style one (`SPM_STYLES`), built once and cached like the builtins (for GGUF tests)."""

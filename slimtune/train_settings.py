@@ -18,7 +18,7 @@ from slimtune.memory.downshift import downshift_train
 from slimtune.memory.estimate import Estimate
 from slimtune.plan import auto_micro_batch, train_estimate
 from slimtune.spec import PipelineSpec, TrainSpec
-from slimtune.train.attention import varlen_expected
+from slimtune.train.step.attention import varlen_expected
 
 # DDP and FSDP want every parameter on the rank's GPU (they check device types and broadcast or shard them
 # at wrap time); the guard's estimate for a multi-GPU run leaves these kernels out too.

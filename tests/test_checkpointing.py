@@ -12,8 +12,9 @@ from torch import nn
 
 from slimtune.families import FAMILIES as TABLE
 from slimtune.families import lora_target_modules
-from slimtune.memory.checkpointing import _enable, enable_checkpointing, parameters_from_lists
+from slimtune.family_configs import linear_attention_layers
 from slimtune.tiny import FAMILIES, build_model
+from slimtune.train.step.checkpointing import _enable, enable_checkpointing, parameters_from_lists
 
 _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _VOCAB = 128
@@ -61,7 +62,12 @@ def test_lora_grads_equal_across_modes_with_dropout(family: str) -> None:
     ref = _grads_with(model, False, ids)
     # layers x projections x (A, B): layer 0 too, with frozen embeddings (Gemma 3: 6 layers; Phi-3: 4 fused)
     row = TABLE[family]
-    assert len(ref) == row.tiny.get("num_hidden_layers", 4) * len(row.lora_targets) * 2
+    layers = row.tiny.get("num_hidden_layers", 4)
+    adapted = layers * len(row.lora_targets)
+    if row.linear_attention_targets:  # Qwen3.5: the DeltaNet's projections instead of q/k/v/o on its linear layers
+        linear = sum(linear_attention_layers({"num_hidden_layers": layers}))
+        adapted -= (layers - linear) * len(row.linear_attention_targets) + linear * 4
+    assert len(ref) == adapted * 2
     assert all(g.abs().sum() > 0 for g in ref.values())
     assert _max_rel_diff(_grads_with(model, True, ids), ref) <= _REL_TOL
     assert _max_rel_diff(_grads_with(model, "unsloth", ids), ref) <= _REL_TOL
@@ -257,7 +263,7 @@ def test_host_buffers_reused_and_pageable_fallback_logged_once(caplog: pytest.Lo
     """On a CPU-only torch, pinned allocation fails as it does on WSL: one log line, pageable memory."""
     model = _lora_model("mistral")
     ids = _batch()
-    caplog.set_level(logging.WARNING, logger="slimtune.memory.offload")
+    caplog.set_level(logging.WARNING, logger="slimtune.train.step.offload")
     with _enable(model, "unsloth", offload_min_bytes=0, offload_on_cpu=True) as handle:
         _grads(model, ids)
         first = handle.stats()

@@ -14,8 +14,8 @@ def test_help_lists_the_subcommands_in_workflow_order(capsys):
         assert e.code == 0
     out = capsys.readouterr().out
     listed = re.findall(r"^    (\w+)\s", out, flags=re.MULTILINE)
-    assert listed == ["init", "validate", "plan", "run", "eval", "generate", "chat"], out
-    assert "{init,validate,plan,run,eval,generate,chat}" in out
+    assert listed == ["init", "validate", "plan", "run", "deploy", "eval", "generate", "chat"], out
+    assert "{init,validate,plan,run,deploy,eval,generate,chat}" in out
 
 
 def test_eval_names_its_data_flag_when_the_file_is_missing(tmp_path, capsys):

@@ -70,7 +70,8 @@ def test_each_row_is_complete_and_its_tiny_model_matches_it(family):
     config = model.config.to_dict()
     assert config["model_type"] == family and type(model).__name__ == row.architecture
     assert check_architecture(config) is None
-    layer = dict(model.model.layers[0].named_modules())
+    # every layer's modules by name: hybrid models (Qwen3.5) have linear-attention and attention layers
+    layer = {n: m for decoder in model.model.layers for n, m in decoder.named_modules()}
     linears = {n.rsplit(".", 1)[-1] for n, m in layer.items() if type(m).__name__ == "Linear"}
     assert linears == set(row.lora_targets) | set(row.frozen_linears)
     for fused, parts in row.fused.items():  # a fused projection holds its parts' rows

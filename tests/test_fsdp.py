@@ -289,7 +289,7 @@ def test_ddp_bench_fsdp_mode_on_the_cpu_checks_the_estimates_and_runs_the_single
 def test_rope_stays_float32_where_fsdp_casts_buffers(family):
     """FSDP1 casts registered buffers to bf16 at the first forward; RoPE's inv_freq must not follow."""
     from slimtune.tiny import build_model
-    from slimtune.train.fp32_rope import keep_rope_fp32
+    from slimtune.train.step.fp32_rope import keep_rope_fp32
 
     model = build_model(family, vocab_size=256).eval()
     ids = torch.arange(200).remainder(256)[None]  # positions up to 199: a bf16 inv_freq moves their angles

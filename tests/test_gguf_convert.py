@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 
 from slimtune.export import GGUF_METHODS, convert_hf_to_gguf, needs_llama_cpp, resolve_method
 from slimtune.export.gguf_convert import _llama3_rope_factors
-from slimtune.export.gguf_tokenizer import (
+from slimtune.export.gguf_tokenizer import _tokens_and_types
+from slimtune.export.llama_cpp_tokenizer import (
     _LLAMA3_REGEX,
     UnsupportedTokenizerError,
-    _spm_scores,
-    _tokens_and_types,
     pre_tokenizer_name,
+    spm_scores,
     spm_space_prefix,
 )
 from slimtune.families import FAMILIES as TABLE
@@ -37,6 +37,33 @@ def tiny_dirs() -> dict[str, Path]:
 
 def _field(reader: gguf.GGUFReader, key: str):
     return reader.fields[key].contents()
+
+
+def _deltanet_expected(key: str, w: np.ndarray, cfg: dict) -> tuple[str, np.ndarray]:
+    """A Gated DeltaNet tensor as llama.cpp's qwen35 reads it (conversion/qwen.py): value heads from grouped by key
+    head to tiled, A = -exp(A_log), dt_bias as ssm_dt's bias, conv1d squeezed, the gated norm without offset."""
+    nk, nv, dv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+    qk = 2 * nk * cfg["linear_key_head_dim"]
+    per = nv // nk
+    # tiled position j = v * nk + k holds grouped head k * per + v
+    heads = [k * per + v for v in range(per) for k in range(nk)]
+
+    def rows(head_dim: int) -> list[int]:
+        return [h * head_dim + i for h in heads for i in range(head_dim)]
+
+    if key.endswith("conv1d.weight"):
+        w = w[:, 0, :]
+    if key.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        w = np.concatenate([w[:qk], w[qk:][rows(dv)]])
+    elif key.endswith("in_proj_z.weight"):
+        w = w[rows(dv)]
+    elif key.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        w = w[rows(1)]
+    elif key.endswith("out_proj.weight"):
+        w = w[:, rows(dv)]
+    if key.endswith("A_log"):
+        w = -np.exp(w)
+    return key.replace(".dt_bias", ".dt_proj.bias"), w
 
 
 def _expected_gguf_tensors(model_dir: Path, family: str) -> dict[str, np.ndarray]:
@@ -58,6 +85,10 @@ def _expected_gguf_tensors(model_dir: Path, family: str) -> dict[str, np.ndarray
                 for half in (0, 1)
             ]
             w = w[order]
+        if ".linear_attn." in key:  # Qwen3.5's Gated DeltaNet: its own layout
+            key, w = _deltanet_expected(key, w, cfg)
+            out[name_map.get_name(key, try_suffixes=(".weight", ".bias"))] = w  # A_log's ssm_a stays bare
+            continue
         if row.norm_offset and key.endswith("norm.weight"):  # Gemma's (1 + w) norms
             w = w + 1.0
         name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
@@ -94,7 +125,8 @@ def test_every_tensor_round_trips(tiny_dirs, tmp_path, family):
         np.testing.assert_array_equal(np.asarray(t.data).reshape(want.shape), want, err_msg=name)
 
     arch = _field(reader, "general.architecture")
-    assert arch == {"mistral": "llama", "gemma3_text": "gemma3", "gemma4_text": "gemma4"}.get(family, family)
+    renamed = {"mistral": "llama", "gemma3_text": "gemma3", "gemma4_text": "gemma4", "qwen3_5_text": "qwen35"}
+    assert arch == renamed.get(family, family)
     assert _field(reader, f"{arch}.attention.head_count") == 4
     assert _field(reader, f"{arch}.attention.head_count_kv") == 2
     # Gemma 4: key_length is the global layers' head, key_length_swa the sliding layers'
@@ -305,20 +337,20 @@ def test_spm_tokenizer_shapes_and_refusals():
 
     tokens, types = _tokens_and_types(gemma, len(gemma["model"]["vocab"]) + 64, "t")
     assert types.count(int(gguf.TokenType.BYTE)) == 256 and types.count(int(gguf.TokenType.UNKNOWN)) == 1
-    scores = _spm_scores(gemma, tokens, types, "t")
+    scores = spm_scores(gemma, tokens, types, "t")
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in gemma["model"]["merges"]]
     for rank, (left, right) in enumerate(merges[:50]):  # a later merge never outranks an earlier token's
         assert scores[tokens.index(left + right)] >= -rank
     dropped = copy.deepcopy(gemma)
     dropped["model"]["merges"] = gemma["model"]["merges"][:10] + gemma["model"]["merges"][11:]
     with pytest.raises(UnsupportedTokenizerError, match="is not a merge"):
-        _spm_scores(dropped, tokens, types, "t")
+        spm_scores(dropped, tokens, types, "t")
     swapped = copy.deepcopy(gemma)
     order = gemma["model"]["merges"]
     target = [i for i in range(1, len(merges)) if "".join(merges[i]) == "".join(merges[i - 1])][0]
     moved = [order[target], order[target + 1], order[target - 1]]  # one of the token's merges moved past another's
     swapped["model"]["merges"] = order[: target - 1] + moved + order[target + 2 :]
-    tied = _spm_scores(swapped, tokens, types, "t")  # interleaved merges: equal scores, as generate_merges' ties
+    tied = spm_scores(swapped, tokens, types, "t")  # interleaved merges: equal scores, as generate_merges' ties
     joined = ["".join(merges[i]) for i in (target, target + 1)]
     assert tied[tokens.index(joined[0])] == tied[tokens.index(joined[1])] == -(target - 1)
     no_bytes = copy.deepcopy(gemma)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from slimtune.export import GGUFVerifyError, convert_hf_to_gguf, gguf_quantize, quantize_gguf, verify_gguf
-from slimtune.export.gguf_tokenizer import _LLAMA3_REGEX, _QWEN2_REGEX
 from slimtune.export.gguf_verify import compare_logits, llama_cpp_logits, llama_cpp_tokenize, load_llama
+from slimtune.export.llama_cpp_tokenizer import _LLAMA3_REGEX, _QWEN2_REGEX
 from slimtune.families import FAMILIES as TABLE
 from slimtune.tiny import (
     BUILTIN_PREFIX,
@@ -174,8 +174,12 @@ def test_q8_0_gguf_picks_hf_next_token(llama_cpp, tmp_path, case):
     # positions (97.8%; 98.3-100% before, on another machine's pretraining), the same with the code of then.
     # As for f16, a flip counts as a near-tie where HF's best two logits are closer than twice the file's own
     # logit error there; a conversion mistake flips positions with wide gaps.
+    # Qwen3.5's DeltaNet layers carry each position's rounding into every later one through their recurrent
+    # state (gates from 8-bit in_proj_a/b): measured 2026-11-26, 174 of 180 positions (96.7%), every flip a
+    # near-tie (largest logit error 0.98), while its f16 file agrees at every position.
+    floor = 0.96 if case == "qwen3_5_text" else 0.97
     flips = [] if report["argmax_agreement"] >= 0.98 else _flips(path, model_dir)
-    assert report["argmax_agreement"] >= 0.97 and all(gap < 2 * err for gap, err in flips), (report, flips)
+    assert report["argmax_agreement"] >= floor and all(gap < 2 * err for gap, err in flips), (report, flips)
     assert report["max_abs_logit_diff"] > 1e-3, report  # 8-bit weights really moved the logits
 
 
@@ -383,7 +387,7 @@ def test_spm_tokenizers_give_hf_ids_in_llama_cpp(llama_cpp, tmp_path, style):
     for text in TEXTS + SPM_TEXTS:
         expected = hf(text)["input_ids"]
         if style == "llama2" and text.startswith(" "):
-            # the documented difference (gguf_tokenizer.spm_space_prefix): llama.cpp puts its "▁" in front of
+            # the documented difference (llama_cpp_tokenizer.spm_space_prefix): llama.cpp puts its "▁" in front of
             # text that already starts with a space, transformers' Metaspace does not
             expected = expected[:1] + [space] + expected[1:]
         assert llama_cpp_tokenize(llm, text) == expected, text

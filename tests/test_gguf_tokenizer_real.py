@@ -231,7 +231,7 @@ def test_probe_hash_names_the_pre_tokenizer_of_an_unknown_shape():
     from transformers import PreTrainedTokenizerFast
 
     from slimtune.export.gguf_pre_hashes import KNOWN_PRE_TOKENIZERS, probe_hash
-    from slimtune.export.gguf_tokenizer import UnsupportedTokenizerError, pre_tokenizer_name
+    from slimtune.export.llama_cpp_tokenizer import UnsupportedTokenizerError, pre_tokenizer_name
 
     path, _, _ = vocab("llama-bpe")
     tj = json.loads(_byte_level_tokenizer("llama-bpe", path).backend_tokenizer.to_str())

@@ -1,4 +1,4 @@
-"""CUDA graphs of checkpointed layers' backward (slimtune.memory.layer_graphs): when they are used, and that
+"""CUDA graphs of checkpointed layers' backward (slimtune.train.step.layer_graphs): when they are used, and that
 training through them computes what the eager backward computes."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from peft import LoraConfig, get_peft_model
 
 from slimtune.data import Example, RowCollator, pack
 from slimtune.families import lora_target_modules
-from slimtune.memory.checkpointing import (
+from slimtune.tiny import FAMILIES, build_model
+from slimtune.train.step.checkpointing import (
+    LayerPass,
     _enable,
-    checkpoint_pass,
     enable_checkpointing,
     graphed_backward,
     graphs_refusal,
 )
-from slimtune.memory.layer_graphs import LayerGraphs
-from slimtune.tiny import FAMILIES, build_model
+from slimtune.train.step.layer_graphs import LayerGraphs
 
 _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _VOCAB = 128
@@ -109,7 +109,7 @@ def test_padding_longer_than_a_row_is_split_into_row_sized_segments() -> None:
 
 def test_a_key_is_captured_at_its_second_backward_only_on_cuda() -> None:
     # The keying itself, without a GPU: an argument that is no tensor, container or constant is refused.
-    from slimtune.memory.layer_graphs import _flatten, _rebuild, _Unkeyable
+    from slimtune.train.step.layer_graphs import _flatten, _rebuild, _Unkeyable
 
     tensors, spec = [], []
     cos = torch.zeros(2)
@@ -171,7 +171,7 @@ def _batches(docs: list[int], seed: int = 0, varlen: bool = True, length: int = 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_graphed_backward_trains_as_the_eager_backward_does(family: str, monkeypatch) -> None:
     from slimtune.kernels import apply_kernels
-    from slimtune.train.attention import prefer_varlen
+    from slimtune.train.step.attention import prefer_varlen
 
     torch.manual_seed(0)
     layers = 3
@@ -187,7 +187,8 @@ def test_graphed_backward_trains_as_the_eager_backward_does(family: str, monkeyp
     monkeypatch.setattr(LayerGraphs, "reload_target", spy)
     for graphs_on in (False, True):
         model = _lora(device="cuda", quantize=True, family=family, num_hidden_layers=layers)
-        patch = apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
+        layer_pass = LayerPass()
+        patch = apply_kernels(model, "auto", checkpoint_pass=layer_pass)
         assert "lora_nf4" in patch.applied
         # five batches of one key (16 boundaries), then one of another (64 boundaries under varlen attention; under
         # a block mask, the same shapes: replayed too)
@@ -196,10 +197,11 @@ def test_graphed_backward_trains_as_the_eager_backward_does(family: str, monkeyp
         grads: list = []
         kept: list[bool] = []  # in each first pass: does lora_nf4 keep the adapters' casts for the recompute?
         mlp = model.get_base_model().model.layers[0].mlp
-        hook = mlp.register_forward_pre_hook(functools.partial(_record_keeping, kept))
+        hook = mlp.register_forward_pre_hook(functools.partial(_record_keeping, kept, layer_pass))
         streams: set[torch.cuda.Stream] = set()  # where the layer ran: first pass, recompute, capture
         spot = mlp.register_forward_pre_hook(functools.partial(_record_stream, streams))
-        with _enable(model, "unsloth", offload_min_bytes=0):  # every layer's input to the host (the last's: graphed)
+        # every layer's input to the host (the last's: graphed)
+        with _enable(model, "unsloth", layer_pass, offload_min_bytes=0):
             graphs = _train(model, batches, grads, graphs_on)
         hook.remove()
         spot.remove()
@@ -230,7 +232,7 @@ def test_a_larger_batch_shape_grows_the_buffers_and_captures_again(monkeypatch) 
     grow, those of the larger are captured, three buffers of the larger shape remain, and the gradients stay the
     eager backward's."""
     from slimtune.kernels import apply_kernels
-    from slimtune.train.attention import prefer_varlen
+    from slimtune.train.step.attention import prefer_varlen
 
     torch.manual_seed(0)
     layers = 2
@@ -246,10 +248,11 @@ def test_a_larger_batch_shape_grows_the_buffers_and_captures_again(monkeypatch) 
     monkeypatch.setattr(LayerGraphs, "release", spy)
     for graphs_on in (False, True):
         model = _lora(device="cuda", quantize=True, num_hidden_layers=layers)
-        apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
+        layer_pass = LayerPass()
+        apply_kernels(model, "auto", checkpoint_pass=layer_pass)
         prefer_varlen(model, torch.device("cuda"))
         grads: list = []
-        with _enable(model, "unsloth", offload_min_bytes=0):
+        with _enable(model, "unsloth", layer_pass, offload_min_bytes=0):
             graphs = _train(model, batches, grads, graphs_on)
         runs.append(grads)
     assert graphs is not None and graphs.reason is None
@@ -267,8 +270,8 @@ def _record_stream(streams: set[torch.cuda.Stream], *_: object) -> None:
     streams.add(torch.cuda.current_stream())
 
 
-def _record_keeping(kept: list[bool], *_: object) -> None:
-    phase = checkpoint_pass()
+def _record_keeping(kept: list[bool], layer_pass: LayerPass, *_: object) -> None:
+    phase = layer_pass()
     if phase != "recompute":
         kept.append(phase == "first")
 
@@ -284,20 +287,21 @@ def _syncing(forward):
 @pytest.mark.gpu
 def test_a_capture_the_graph_refuses_turns_graphs_off_and_the_step_stays_right() -> None:
     from slimtune.kernels import apply_kernels
-    from slimtune.train.attention import prefer_varlen
+    from slimtune.train.step.attention import prefer_varlen
 
     torch.manual_seed(0)
     batches = _batches([6, 7, 8])
     runs = []
     for syncing in (False, True):
         model = _lora(device="cuda", quantize=True, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
-        apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
+        layer_pass = LayerPass()
+        apply_kernels(model, "auto", checkpoint_pass=layer_pass)
         prefer_varlen(model, torch.device("cuda"))
         if syncing:  # a host sync in the layer's forward, as code outside slimtune might have: capture refuses it
             mlp = model.get_base_model().model.layers[1].mlp
             mlp.forward = _syncing(mlp.forward)
         grads: list = []
-        with enable_checkpointing(model, "unsloth"):
+        with enable_checkpointing(model, "unsloth", layer_pass):
             graphs = _train(model, batches, grads, True)
         runs.append((graphs, grads))
     (clean, eager), (refused, fallback) = runs
@@ -339,7 +343,8 @@ def test_out_of_memory_in_a_capture_reaches_the_caller_and_the_next_run_captures
     torch.manual_seed(0)
     batches = _batches([6, 7, 8])
     model = _lora(device="cuda", quantize=True, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
-    apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
+    layer_pass = LayerPass()
+    apply_kernels(model, "auto", checkpoint_pass=layer_pass)
     mlp = model.get_base_model().model.layers[1].mlp
     forward = mlp.forward
 
@@ -349,7 +354,7 @@ def test_out_of_memory_in_a_capture_reaches_the_caller_and_the_next_run_captures
         return forward(x)
 
     mlp.forward = exhausting
-    with enable_checkpointing(model, "unsloth"):
+    with enable_checkpointing(model, "unsloth", layer_pass):
         with pytest.raises(torch.OutOfMemoryError):
             _train(model, batches, [], True)
         mlp.forward = forward
@@ -368,9 +373,10 @@ def test_consecutive_graphed_runs_do_not_pile_up_memory() -> None:
     torch.manual_seed(0)
     batches = _batches([6, 7, 8])
     model = _lora(device="cuda", quantize=True, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
-    apply_kernels(model, "auto", checkpoint_pass=checkpoint_pass)
+    layer_pass = LayerPass()
+    apply_kernels(model, "auto", checkpoint_pass=layer_pass)
     peaks, after = [], []
-    with enable_checkpointing(model, "unsloth"):
+    with enable_checkpointing(model, "unsloth", layer_pass):
         for _ in range(3):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

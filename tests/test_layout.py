@@ -27,3 +27,18 @@ def test_kernels_resolves_outside_the_checkout():
     spec = importlib.util.find_spec("kernels")
     origin = None if spec is None else (spec.origin or next(iter(spec.submodule_search_locations or []), None))
     assert origin is None or REPO not in Path(origin).resolve().parents, origin
+
+
+# STYLE.md: modules under ~500 lines, split by concern; the spec (one model per stage, a docstring on every field)
+# is the one exception.
+_MAX_LINES = 500
+_LONG_ALLOWED = {"slimtune/spec.py"}
+
+
+def test_no_module_exceeds_500_lines_except_the_spec():
+    lines = {
+        p.relative_to(REPO).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
+        for p in REPO.glob("slimtune/**/*.py")
+    }
+    long = {path: n for path, n in sorted(lines.items()) if n > _MAX_LINES and path not in _LONG_ALLOWED}
+    assert long == {}, f"over {_MAX_LINES} lines: {long}; split each by concern into modules named for what they do"

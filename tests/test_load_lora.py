@@ -9,6 +9,7 @@ import torch
 
 from slimtune import registry
 from slimtune.families import FAMILIES as TABLE
+from slimtune.family_configs import linear_attention_layers
 from slimtune.model_source import ModelSourceError, check_model_dir
 from slimtune.spec import ModelSpec, PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
@@ -41,6 +42,9 @@ def test_family_loads_in_nf4_and_trains(family, tmp_path):
     per_layer += len(TABLE[family].frozen_linears)  # Gemma 4's per-layer input gate and projection
     model_level = family == "gemma4_text"  # Gemma 4's per-layer input projection
     n_linears = per_layer * model.config.num_hidden_layers + model_level
+    if deltanet := TABLE[family].linear_attention_targets:  # Qwen3.5: its projections instead of q/k/v/o there
+        linear = sum(linear_attention_layers(model.config.to_dict()))
+        n_linears -= (model.config.num_hidden_layers - linear) * len(deltanet) + linear * 4
     assert loaded.linear_4bit == len(linears) == n_linears  # lm_head stays 16-bit
     assert linears[0].weight.quant_state.nested  # double quantization
     assert linears[0].weight.quant_type == "nf4"

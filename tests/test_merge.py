@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slimtune.families import FAMILIES as TABLE
+from slimtune.family_configs import linear_attention_layers
 from slimtune.merge import AdapterMismatchError, AlreadyMergedError, DiskSpaceError, merge_adapter, safetensors_io
 from slimtune.merge.nf4 import QuantSpec, quantized_tensor_names, roundtrip
 from slimtune.tiny import FAMILIES, build_model, build_tokenizer
@@ -31,8 +32,13 @@ def _nf4_config():
 
 
 def _linears(family: str) -> int:
-    """Linears of the tiny model (7 a layer; 4 in Phi-3, whose q/k/v and gate/up are fused), all adapted."""
-    return len(TABLE[family].lora_targets) * TABLE[family].tiny.get("num_hidden_layers", 4)
+    """Linears of the tiny model (7 a layer; 4 in Phi-3, whose q/k/v and gate/up are fused; Qwen3.5's linear-
+    attention layers have their DeltaNet projections instead of q/k/v/o), all adapted."""
+    row = TABLE[family]
+    layers = row.tiny.get("num_hidden_layers", 4)
+    linear = sum(linear_attention_layers({"num_hidden_layers": layers})) if row.linear_attention_targets else 0
+    attention = len(row.lora_targets) - len(row.linear_attention_targets)  # q/k/v/o and the MLP
+    return (layers - linear) * attention + linear * (attention - 4 + len(row.linear_attention_targets))
 
 
 def _save_adapter(base: Path, out: Path, seed: int, **lora) -> Path:
@@ -144,8 +150,10 @@ def test_original_is_exact_w_plus_scaled_ba(models, tmp_path, family):
     tok = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok("hello world").input_ids == AutoTokenizer.from_pretrained(base)("hello world").input_ids
     assert (tmp_path / "out" / "generation_config.json").is_file()
-    o = "model.layers.0.self_attn.o_proj.weight"  # every family has it
-    assert torch.equal(merged.model.layers[0].self_attn.o_proj.weight, after[o])
+    # every family has an attention layer with o_proj (Qwen3.5's first is DeltaNet, its fourth attention)
+    i = next(i for i, layer in enumerate(merged.model.layers) if hasattr(layer, "self_attn"))
+    o = f"model.layers.{i}.self_attn.o_proj.weight"
+    assert torch.equal(merged.model.layers[i].self_attn.o_proj.weight, after[o])
     assert _leftovers(tmp_path) == []
 
 

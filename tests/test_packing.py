@@ -23,7 +23,7 @@ from slimtune.families import FAMILIES as TABLE
 from slimtune.spec import DataSpec
 from slimtune.tiny import DATA_FILE, FAMILIES, build_model, ensure_builtin
 from slimtune.train import ISOLATING_MODEL_TYPES, choose_batching
-from slimtune.train.attention import VARLEN, prefer_varlen, register
+from slimtune.train.step.attention import VARLEN, prefer_varlen, register
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,9 @@ def test_packed_loss_equals_token_weighted_mean_of_example_losses(family, attn, 
     # One layer, or enough to reach a global-attention layer where the first are sliding-window ones
     # (gemma2: 2, gemma3_text: 6); granite's logits_scaling (1/16) would shrink every loss difference,
     # leaks included, below the tolerance, so it is 1 here.
-    overrides = {"gemma2": {"num_hidden_layers": 2}, "gemma3_text": {"num_hidden_layers": 6}}.get(family, {})
+    # (Qwen3.5: 4, its first attention layer after three DeltaNet ones, through which one layer's leak is ~1e-7)
+    layers = {"gemma2": 2, "gemma3_text": 6, "qwen3_5_text": 4}
+    overrides = {"num_hidden_layers": layers[family]} if family in layers else {}
     overrides |= {"logits_scaling": 1.0} if family == "granite" else {}
     overrides = {"num_hidden_layers": 1, **overrides}
     model = build_model(family, len(tokenizer), attn_implementation=attn, **overrides).float()
@@ -181,7 +183,8 @@ def test_flash_varlen_packed_loss_equals_example_losses(tokenizer, chat_examples
     assert total / count == pytest.approx(expected, rel=1e-2)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+# gemma3_text: five sliding-window layers of 16 tokens, shorter than the examples, so the window matters
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
 @pytest.mark.parametrize("flatten", [True, False], ids=["cu_seq_lens", "position_ids"])
 def test_varlen_attention_packed_loss_equals_example_losses(family, flatten, tokenizer, chat_examples):
     # Off CUDA the varlen attention runs each example through its own SDPA call: this checks the wiring
@@ -232,13 +235,15 @@ def test_torch_varlen_packed_loss_and_grads_match_sdpa(tokenizer, chat_examples)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 32], ids=["full", "sliding"])
 @pytest.mark.parametrize("padded", [False, True], ids=["exact", "bucketed"])
 @pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
-def test_varlen_attention_matches_causal_sdpa_per_example_with_gradients(kv_heads, padded):
+def test_varlen_attention_matches_causal_sdpa_per_example_with_gradients(kv_heads, padded, window):
     """aten's flash kernel on flattened examples, k/v with their own head count: outputs and q/k/v gradients
     equal causal SDPA run on each example alone (with its enable_gqa where k/v have fewer heads). Bucketed: the
-    boundaries end in empty segments and the longest is only bounded, as the collator makes them for fixed shapes."""
-    from slimtune.train.attention import varlen_attention_forward
+    boundaries end in empty segments and the longest is only bounded, as the collator makes them for fixed shapes.
+    Sliding: each token attends to its last 32 (itself included), against SDPA with transformers' window mask."""
+    from slimtune.train.step.attention import varlen_attention_forward
 
     torch.manual_seed(0)
     lengths, heads, dim = [37, 128, 5, 300], 8, 64
@@ -251,7 +256,15 @@ def test_varlen_attention_matches_causal_sdpa_per_example_with_gradients(kv_head
 
     q, k, v = make(heads), make(kv_heads), make(kv_heads)
     out, _ = varlen_attention_forward(
-        torch.nn.Module(), q, k, v, None, scaling=dim**-0.5, cu_seq_lens_q=cu, max_length_q=512 if padded else 300
+        torch.nn.Module(),
+        q,
+        k,
+        v,
+        None,
+        scaling=dim**-0.5,
+        cu_seq_lens_q=cu,
+        max_length_q=512 if padded else 300,
+        sliding_window=window,
     )
     dout = torch.randn_like(out)
     got = (out, *torch.autograd.grad(out, (q, k, v), dout))
@@ -259,8 +272,10 @@ def test_varlen_attention_matches_causal_sdpa_per_example_with_gradients(kv_head
     bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         seg = [t[:, :, a:b].float() for t in (q, k, v)]
+        i = torch.arange(b - a, device="cuda")
+        mask = (i[:, None] >= i[None, :]) & (i[None, :] > i[:, None] - (window or b))  # masking_utils' overlay
         ref_out[:, a:b] = torch.nn.functional.scaled_dot_product_attention(
-            *seg, is_causal=True, scale=dim**-0.5, enable_gqa=kv_heads != heads
+            *seg, attn_mask=mask, scale=dim**-0.5, enable_gqa=kv_heads != heads
         ).transpose(1, 2)
     ref = (ref_out, *torch.autograd.grad(ref_out, (q, k, v), dout))
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -345,10 +346,12 @@ def test_a_finished_run_rerun_reuses_its_results_and_says_so(base_dir, tokenizer
     assert json.loads((tmp_path / "train_report.json").read_text())["reused_from"] == first.finished_at
 
 
-def test_report_to_writes_tensorboard_events_and_a_local_mlflow_store(base_dir, tokenizer, examples, data, tmp_path):
-    """Both trackers get every step and the final evaluation (MLflow's run used to end before it, leaving the
-    base model's step-0 eval loss as the result); MLflow also gets the spec as params and the report and the
-    adapter card as artifacts."""
+def test_report_to_writes_tensorboard_events_a_local_mlflow_store_and_an_offline_wandb_run(
+    base_dir, tokenizer, examples, data, tmp_path
+):
+    """The trackers get every step and the final evaluation (MLflow's run used to end before it, leaving the
+    base model's step-0 eval loss as the result); MLflow and W&B also get the spec as params and the report and
+    the adapter card as artifacts. W&B runs offline: no login, no network."""
     import os
 
     from mlflow.tracking import MlflowClient
@@ -375,7 +378,7 @@ def test_report_to_writes_tensorboard_events_and_a_local_mlflow_store(base_dir, 
         tmp_path,
         max_steps=3,
         logging_steps=1,
-        report_to=["tensorboard", "mlflow"],
+        report_to=["tensorboard", "mlflow", "wandb"],
         trackers={"tracker_params": tracker_params(spec, "float32"), "describe": describe},
     )
     assert dict(os.environ) == env_before  # the tracker settings were scoped to the training call
@@ -404,6 +407,48 @@ def test_report_to_writes_tensorboard_events_and_a_local_mlflow_store(base_dir, 
     assert sorted(a.path for a in client.list_artifacts(run.info.run_id)) == ["README.md", "train_report.json"]
     assert {p.name for p in (tmp_path / "mlflow-artifacts").rglob("*.*")} == {"README.md", "train_report.json"}
     assert not Path("mlruns").exists() and not Path("mlflow.db").exists()  # nothing in the working directory
+    assert not Path("wandb").exists()
+
+    (wandb_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    records = list(_wandb_records(wandb_file))
+    kinds = [r.WhichOneof("record_type") for r in records]
+    (run_record,) = [r.run for r in records if r.HasField("run")]
+    assert run_record.project == "slimtune" and kinds[-1] == "exit"  # finished by `close`, not at exit
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in records]
+    losses = [(h["train/global_step"], round(h["train/loss"], 5)) for h in history if "train/loss" in h]
+    assert losses == [(e["step"], round(e["loss"], 5)) for e in report.losses]
+    evals = [(h["train/global_step"], round(h["eval/loss"], 5)) for h in history if "eval/loss" in h]
+    assert evals == [(0, round(report.eval_loss_before, 5)), final]
+    summary = {u.key or "/".join(u.nested_key): json.loads(u.value_json) for r in records for u in r.summary.update}
+    assert round(summary["eval/loss"], 5) == final[1]  # the run's result is the trained model's
+    config = {u.key: json.loads(u.value_json) for r in records if r.HasField("config") for u in r.config.update}
+    assert (config["lora.r"], config["train.learning_rate"], config["quantization.quant_type"]) == ("8", "0.005", "nf4")
+    (artifact,) = [r.artifact for r in records if r.HasField("artifact")]
+    assert (artifact.type, artifact.name) == ("results", f"results-{run_record.run_id}")
+    logged = {entry.path: entry.local_path for entry in artifact.manifest.contents}
+    assert logged == {"README.md": str(card), "train_report.json": str(tmp_path / "train_report.json")}
+
+
+def _wandb_records(path: Path):
+    """The records of an offline W&B run file (wandb 0.31 ships no reader of its own): a 7-byte header (":W&B",
+    magic, version), then LevelDB's log format (32 KiB blocks of chunks: CRC-32C, length, type; a block's last
+    < 7 bytes are padding), each record a serialized `wandb_internal_pb2.Record`."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data, block, pos, chunks = path.read_bytes(), 32768, 7, []
+    assert data[:4] == b":W&B", data[:7]
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # the padding at the end of a block
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunks.append(data[pos + 7 : pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, or the LAST of FIRST/MIDDLE/LAST
+            record = Record()
+            record.ParseFromString(b"".join(chunks))
+            chunks = []
+            yield record
 
 
 def test_step_lines_progress_and_loss_curve_reach_prefect(

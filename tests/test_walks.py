@@ -6,7 +6,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from slimtune.tiny import build_model
-from slimtune.train.walks import walks_from_lists
+from slimtune.train.step.walks import walks_from_lists
 
 
 @pytest.fixture

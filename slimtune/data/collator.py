@@ -104,7 +104,7 @@ class RowCollator:
             if self.packed_length is not None:
                 # Fixed shapes for a fixed row count: the boundaries padded with empty segments to a power of two,
                 # the longest segment bounded by a row. Batches then share the few input keys that CUDA graphs
-                # of the layers are captured for (slimtune.memory.layer_graphs); flash attention skips the
+                # of the layers are captured for (slimtune.train.step.layer_graphs); flash attention skips the
                 # empty segments and the blocks past a segment's end.
                 seq_lens += [0] * (_bucket(len(seq_lens) + 1) - len(seq_lens) - 1)
                 longest = self.packed_length

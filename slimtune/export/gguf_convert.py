@@ -14,6 +14,7 @@ Layout differences from HF that llama.cpp expects:
 - Llama-3 rope scaling becomes a `rope_freqs` tensor of per-frequency divisors.
 - Phi-3 longrope becomes `rope_factors_long` / `rope_factors_short` tensors and a cos/sin attn_factor.
 - Architectures without an output tensor in llama.cpp (the Gemmas) read the embeddings instead.
+- Qwen3.5's Gated DeltaNet tensors: `slimtune.export.gguf_deltanet`.
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ import gguf
 import numpy as np
 
 from slimtune import atomic
+from slimtune.export.gguf_deltanet import deltanet_tensor
 from slimtune.export.gguf_quantize import CONVERTER_TYPES
 from slimtune.export.gguf_tokenizer import add_tokenizer
-from slimtune.families import BY_ARCHITECTURE, Family, full_attention_head_dim
+from slimtune.families import BY_ARCHITECTURE, Family
+from slimtune.family_configs import full_attention_head_dim
+from slimtune.multimodal import layout_of, text_key, trained_config
 
 Q = gguf.GGMLQuantizationType
 _FT = gguf.LlamaFileType
@@ -91,6 +95,8 @@ def convert_hf_to_gguf(
             f"{', '.join(_OUT_TYPES)} (k-quants: convert to f16, then quantize_gguf)"
         )
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    multimodal = layout_of(config) is not None
+    config = trained_config(config)  # a multimodal checkpoint: its language model, written as the text family
     arch_name = (config.get("architectures") or ["?"])[0]
     if arch_name not in BY_ARCHITECTURE:
         raise ValueError(
@@ -110,7 +116,7 @@ def convert_hf_to_gguf(
         tmp_dir / out_path.name, family.gguf_name, split_max_size=split_max_bytes or 0
     )  # opens nothing until the header
     try:
-        plan = list(_plan_tensors(model_dir, config, family, default_qtype))
+        plan = list(_plan_tensors(model_dir, config, family, default_qtype, multimodal))
         n_vocab = next(p.shape[0] for p in plan if p.name == "token_embd.weight")
         _add_hparams(writer, config, family, _model_name(name or model_dir.name), file_type, n_vocab)
         add_tokenizer(writer, model_dir, n_vocab, strict=not tokenizer_as_is)
@@ -160,7 +166,9 @@ def _encode(data: np.ndarray, qtype: Q) -> np.ndarray:
     return gguf.quants.quantize(data, qtype)  # BF16 rounding and Q8_0/Q4_0/Q5_0 match ggml's bytes
 
 
-def _plan_tensors(model_dir: Path, config: dict[str, Any], family: Family, default_qtype: Q) -> Iterator[_Planned]:
+def _plan_tensors(
+    model_dir: Path, config: dict[str, Any], family: Family, default_qtype: Q, multimodal: bool
+) -> Iterator[_Planned]:
     from safetensors import safe_open
 
     n_layers = config["num_hidden_layers"]
@@ -180,22 +188,32 @@ def _plan_tensors(model_dir: Path, config: dict[str, Any], family: Family, defau
         )
     for name, factors in _longrope_factors(config, family):
         yield _Planned(name, lambda f=factors: f, factors.shape, Q.F32)
-    for file, key in _safetensors_keys(model_dir):
+    for file, stored in _safetensors_keys(model_dir):
+        key = text_key(stored) if multimodal else stored
+        if key is None:
+            continue  # a vision tower or projector weight: llama.cpp reads those from an mmproj file
         if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
             continue  # recomputed by llama.cpp / shared with token_embd
-        name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
-        kind = name_map.get_type(key, try_suffixes=(".weight", ".bias"))
+        with safe_open(file, framework="pt") as f:
+            shape = tuple(f.get_slice(stored).get_shape())
+        # Qwen3.5's Gated DeltaNet tensors have their own layout (slimtune.export.gguf_deltanet)
+        deltanet = deltanet_tensor(key, shape, config) if ".linear_attn." in key else None
+        lookup = deltanet.key if deltanet else key
+        name = name_map.get_name(lookup, try_suffixes=(".weight", ".bias"))
+        kind = name_map.get_type(lookup, try_suffixes=(".weight", ".bias"))
         if name is None or kind not in known:
             raise ValueError(
                 f"{file.name}: tensor {key!r} has no GGUF name for {family.gguf_name}; "
                 "the checkpoint has modules the converter does not know"
             )
-        if not name.endswith((".weight", ".bias")):
+        if not name.endswith((".weight", ".bias")) and not (deltanet and deltanet.bare):
             name += ".weight"  # a bare parameter or buffer (Gemma 4's layer_scalar): llama.cpp names it .weight
-        with safe_open(file, framework="pt") as f:
-            shape = tuple(f.get_slice(key).get_shape())
+        if deltanet:
+            qtype = Q.F32 if deltanet.f32 else _tensor_qtype(name, deltanet.shape, default_qtype, tied)
+            yield _Planned(name, _loader(file, stored, deltanet.transform), deltanet.shape, qtype)
+            continue
         transform = _transform_for(key, family, n_head, n_kv)
-        yield _Planned(name, _loader(file, key, transform), shape, _tensor_qtype(name, shape, default_qtype, tied))
+        yield _Planned(name, _loader(file, stored, transform), shape, _tensor_qtype(name, shape, default_qtype, tied))
 
 
 def _safetensors_keys(model_dir: Path) -> Iterator[tuple[Path, str]]:

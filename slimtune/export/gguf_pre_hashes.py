@@ -9,7 +9,7 @@ adds one). Two tokenizers with the same hash split that text identically, so the
 
 The table below holds the hashes of that llama.cpp for the families slimtune trains and those of 2025-26
 that people fine-tune (each with the Hub checkpoint llama.cpp hashed); a tokenizer whose hash is not here
-falls back to `gguf_tokenizer`'s exact tokenizer.json shapes.
+falls back to `llama_cpp_tokenizer`'s exact tokenizer.json shapes.
 """
 
 from __future__ import annotations

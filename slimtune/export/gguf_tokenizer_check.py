@@ -22,7 +22,8 @@ from pathlib import Path
 import gguf
 
 from slimtune.export.gguf_quantize import llama_cpp_available
-from slimtune.export.gguf_tokenizer import CHECK_TEXTS, UnsupportedTokenizerError, add_tokenizer
+from slimtune.export.gguf_tokenizer import add_tokenizer
+from slimtune.export.llama_cpp_tokenizer import CHECK_TEXTS, UnsupportedTokenizerError
 
 
 @dataclass

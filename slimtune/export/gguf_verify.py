@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from slimtune.export.gguf_quantize import require_llama_cpp
+from slimtune.multimodal import text_model_load_kwargs
 
 # llama.cpp's threads spin while waiting; beyond ~8 the verification prompts (a few hundred tokens) gain
 # nothing, and on a shared machine more spinning threads only slow everyone down.
@@ -138,7 +139,9 @@ def verify_gguf(gguf_path: Path, model_dir: Path, prompts: list[str]) -> dict[st
         )
     llm = load_llama(gguf_path, n_ctx=max(64, max(len(i) for i in hf_ids)))
     mismatches = [k for k, (p, ids) in enumerate(zip(prompts, hf_ids)) if llama_cpp_tokenize(llm, p) != ids]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # a multimodal checkpoint: its language model, which the GGUF holds (on text it computes what the whole does)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **text_model_load_kwargs(model_dir))
+    model.eval()
     worst, agree, positions = 0.0, 0.0, 0
     with torch.no_grad():
         for ids in hf_ids:

@@ -5,7 +5,8 @@ that `TRITON_INTERPRET=1` (needed on CPU, read by Triton when a kernel is decora
 after `import slimtune.kernels`.
 """
 
-from .apply import KERNEL_NAMES, KernelPatch, apply_kernels, resolve_selection
+from .apply import KERNEL_NAMES, apply_kernels, resolve_selection
+from .instance_patch import KernelPatch
 
 __all__ = [
     "KERNEL_NAMES",

@@ -1,6 +1,6 @@
-"""Memory management: the guard every task runs under, estimates, downshifts, and checkpointing."""
+"""Memory management: the guard every task runs under, estimates and downshifts (checkpointing and offloading
+are part of the training step: `slimtune.train.step`)."""
 
-from slimtune.memory.checkpointing import CheckpointingHandle, enable_checkpointing
 from slimtune.memory.clean import clean_memory
 from slimtune.memory.crash import resubmit_on_crash
 from slimtune.memory.downshift import (
@@ -24,7 +24,6 @@ from slimtune.memory.guard import GuardRecord, guarded, max_memory_with_headroom
 from slimtune.memory.report import publish_memory_report, publish_task_report
 
 __all__ = [
-    "CheckpointingHandle",
     "DownshiftExhausted",
     "Estimate",
     "GuardRecord",
@@ -37,7 +36,6 @@ __all__ = [
     "current_attempt",
     "downshift_merge",
     "downshift_train",
-    "enable_checkpointing",
     "estimate_export",
     "estimate_load_4bit",
     "estimate_merge",

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from slimtune.families import canonical_targets, family_of, full_attention_head_dim, gemma4_sliding_layers, text_fields
+from slimtune.families import canonical_targets
 from slimtune.gguf_types import GGUF_TYPES
+from slimtune.memory.model_shape import ModelShape, model_shape
 
 _GIB = 1024**3
 
@@ -102,145 +103,6 @@ class Estimate:
         return ", ".join(f"{k} {v / _GIB:.2f} GiB" for k, v in terms[:n])
 
 
-@dataclass(frozen=True)
-class _Shape:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-    qk_norm: str  # "", "head" or "full" (see slimtune.families)
-    layer_norms: int
-    model_type: str
-    # Gemma 4: layers that differ (wider global heads, KV-shared layers without k/v) and per-layer inputs
-    layer_linears: tuple[dict[str, tuple[int, int]], ...] = ()  # each layer's linears where they differ
-    other_linears: int = 0  # NF4 linear weights outside the layers (Gemma 4's per-layer input projection)
-    other_embeddings: int = 0  # other 16-bit embedding tables (Gemma 4's per-layer embeddings)
-    other_small: int = 0  # norms and scalars beyond the uniform per-layer count (negative where layers have fewer)
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def projections(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear in a decoder layer (the largest of each where layers differ)."""
-        if self.layer_linears:
-            names = dict.fromkeys(n for layer in self.layer_linears for n in layer)
-            return {n: max(layer[n] for layer in self.layer_linears if n in layer) for n in names}
-        h, i = self.hidden, self.intermediate
-        return {
-            "q_proj": (h, self.q_dim),
-            "k_proj": (h, self.kv_dim),
-            "v_proj": (h, self.kv_dim),
-            "o_proj": (self.q_dim, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-
-    def linear_weights_per_layer(self) -> int:
-        return sum(a * b for a, b in self.projections().values())
-
-    def each_layer(self) -> tuple[dict[str, tuple[int, int]], ...]:
-        """Every decoder layer's linears, in order."""
-        return self.layer_linears or (self.projections(),) * self.layers
-
-    def embedding_weights(self) -> int:
-        """Input embeddings plus an untied lm_head; both stay 16-bit under bitsandbytes."""
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.other_embeddings
-
-    def small_weights(self) -> int:
-        """Norms and biases: never quantised, negligible for large models but exact for tiny ones."""
-        qk = {"head": 2 * self.head_dim, "full": self.q_dim + self.kv_dim}.get(self.qk_norm, 0)
-        per_layer = self.layer_norms * self.hidden + qk
-        per_layer += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
-        return self.layers * per_layer + self.hidden + self.other_small
-
-    def total_weights(self) -> int:
-        linears = sum(a * b for layer in self.each_layer() for a, b in layer.values()) + self.other_linears
-        return linears + self.embedding_weights() + self.small_weights()
-
-
-def _shape(cfg: dict[str, Any]) -> _Shape:
-    """Read the dimensions that matter from a config dict; multimodal configs nest `text_config`."""
-    text = text_fields(cfg)
-    missing = [
-        k
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "vocab_size",
-        )
-        if k not in text
-    ]
-    if missing:
-        raise ValueError(
-            f"config.json lacks {', '.join(missing)}; memory estimates support dense decoder configs "
-            "(slimtune.families)"
-        )
-    model_type = str(text.get("model_type", "llama"))
-    family = family_of(text)  # shape quirks of the family; plain Llama arithmetic for anything else
-    heads = int(text["num_attention_heads"])
-    hidden = int(text["hidden_size"])
-    shape = _Shape(
-        hidden=hidden,
-        intermediate=int(text["intermediate_size"]),
-        layers=int(text["num_hidden_layers"]),
-        heads=heads,
-        kv_heads=int(text.get("num_key_value_heads") or heads),
-        head_dim=int(text.get("head_dim") or hidden // heads),
-        vocab=int(text["vocab_size"]),
-        tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", family and family.tied_default))),
-        qkv_bias=bool(text.get("attention_bias", family and family.qkv_bias)),
-        qk_norm=family.qk_norm if family else "",
-        layer_norms=family.layer_norms if family else 2,
-        model_type=model_type,
-    )
-    return _gemma4_layers(text, shape) if model_type == "gemma4_text" else shape
-
-
-def _gemma4_layers(text: dict[str, Any], shape: _Shape) -> _Shape:
-    """Gemma 4's layers as transformers builds them: global layers with `global_head_dim` (and k as v where
-    attention_k_eq_v), the last num_kv_shared_layers without k/v, and a per-layer input gate and projection
-    fed by a 16-bit per-layer embedding table (E2B: 262144 x 35 x 256 = 2.3e9 weights, more than the rest)."""
-    h, n = shape.hidden, shape.layers
-    full_dim, per_input = full_attention_head_dim(text), int(text.get("hidden_size_per_layer_input") or 0)
-    shared_from = n - int(text.get("num_kv_shared_layers") or 0)
-    per_layer_config = text.get("per_layer_config") or {}
-    layers, small = [], n + per_input  # each layer's layer_scalar; the per-layer projection's norm
-    for i, sliding in enumerate(gemma4_sliding_layers(text)):
-        full, shared = not sliding, i >= shared_from
-        head_dim = full_dim if full else shape.head_dim
-        kv = head_dim * int(per_layer_config.get(str(i), {}).get("num_key_value_heads", shape.kv_heads))
-        inter = shape.intermediate * (2 if text.get("use_double_wide_mlp") and shared else 1)
-        layer = {"q_proj": (h, shape.heads * head_dim)}
-        if not shared:
-            layer |= {"k_proj": (h, kv)} | ({} if full and text.get("attention_k_eq_v") else {"v_proj": (h, kv)})
-        layer |= {"o_proj": (shape.heads * head_dim, h), "gate_proj": (h, inter), "up_proj": (h, inter)}
-        layer |= {"down_proj": (inter, h)}
-        if per_input:
-            layer |= {"per_layer_input_gate": (h, per_input), "per_layer_projection": (per_input, h)}
-        layers.append(layer)
-        small += head_dim * (1 if shared else 2) - 2 * shape.head_dim  # q_norm, k_norm at this layer's width
-    return replace(
-        shape,
-        layer_linears=tuple(layers),
-        other_linears=h * n * per_input,
-        other_embeddings=int(text.get("vocab_size_per_layer_input") or 0) * n * per_input,
-        other_small=small,
-    )
-
-
 def _nf4_bytes(n: int, double_quant: bool) -> int:
     """Bytes bitsandbytes stores for one 4-bit linear of `n` weights (packed data + quant state)."""
     blocks = math.ceil(n / _NF4_BLOCK)
@@ -251,7 +113,7 @@ def _nf4_bytes(n: int, double_quant: bool) -> int:
     return n // 2 + blocks + nested * 4 + _NESTED_BLOCK * 4 + code
 
 
-def _nf4_weights(shape: _Shape, dtype_bytes: int, double_quant: bool) -> dict[str, int]:
+def _nf4_weights(shape: ModelShape, dtype_bytes: int, double_quant: bool) -> dict[str, int]:
     layers = sum(_nf4_bytes(a * b, double_quant) for layer in shape.each_layer() for a, b in layer.values())
     return {
         "nf4 linears": layers + (_nf4_bytes(shape.other_linears, double_quant) if shape.other_linears else 0),
@@ -291,7 +153,7 @@ def estimate_load_4bit(cfg: dict[str, Any], compute_dtype_bytes: int, *, double_
     maps the safetensors shards (file-backed pages the kernel can drop; 15 GiB of RSS for 8B) and
     holds only the process itself in anonymous memory (0.64-0.72 GiB measured for 1B, 7B and 8B).
     """
-    shape = _shape(cfg)
+    shape = model_shape(cfg)
     gpu = _nf4_weights(shape, compute_dtype_bytes, double_quant)
     gpu["load transient (one 16-bit linear)"] = (
         max(a * b for a, b in shape.projections().values()) * compute_dtype_bytes
@@ -305,7 +167,7 @@ def estimate_load_4bit(cfg: dict[str, Any], compute_dtype_bytes: int, *, double_
     return _estimate(gpu, host, {}, fields)
 
 
-def _targets(shape: _Shape, target_modules: list[str] | tuple[str, ...] | str) -> list[str]:
+def _targets(shape: ModelShape, target_modules: list[str] | tuple[str, ...] | str) -> list[str]:
     projections = shape.projections()
     if target_modules == "all-linear":
         return list(projections)
@@ -320,7 +182,7 @@ def _targets(shape: _Shape, target_modules: list[str] | tuple[str, ...] | str) -
     return list(dict.fromkeys(target_modules))
 
 
-def _activation_bytes_per_token_layer(shape: _Shape, dtype_bytes: int, targets: list[str], lora_r: int) -> int:
+def _activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int, targets: list[str], lora_r: int) -> int:
     """Bytes autograd keeps per token for one decoder layer of a QLoRA model without checkpointing.
 
     Counted from what each op saves for backward under bf16 autocast with float32 adapters (peft's
@@ -341,8 +203,8 @@ def _activation_bytes_per_token_layer(shape: _Shape, dtype_bytes: int, targets: 
     return elements * dtype_bytes + 2 * 4 * shape.hidden
 
 
-def _varlen_bytes_per_token_layer(shape: _Shape, dtype_bytes: int) -> int:
-    """What packed rows through `slimtune.train.attention.VARLEN` keep per token and layer beyond the count
+def _varlen_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int) -> int:
+    """What packed rows through `slimtune.train.step.attention.VARLEN` keep per token and layer beyond the count
     above, with the in-place RoPE kernel.
 
     Measured on an H100 (1B, 8B and Qwen 7B shapes, every checkpointing mode, 2048-32768 tokens): with the
@@ -390,10 +252,10 @@ def estimate_train(
     The weights are in `resident_gpu_bytes` (load_4bit put them there), so preflight counts them
     once. Calibrated on an H100 (benchmarks/results/memory/, tests/test_memory_calibration.py).
 
-    `varlen_attention`: packed rows go through varlen flash attention (`slimtune.train.attention`); with
+    `varlen_attention`: packed rows go through varlen flash attention (`slimtune.train.step.attention`); with
     the RoPE kernel a layer then keeps one more q, k and v.
 
-    `cuda_graphs`: `train.cuda_graphs` will capture each layer's backward (`slimtune.memory.layer_graphs`, with
+    `cuda_graphs`: `train.cuda_graphs` will capture each layer's backward (`slimtune.train.step.layer_graphs`, with
     "unsloth" checkpointing): its static buffers (three hidden states: two layer inputs and a gradient; one set of
     LoRA gradients) and its private pool, which holds most of one recomputed layer apart from the allocator's other
     blocks. Calibrated on an H100 (`benchmarks/results/memory/h100-2026-11-24{c,e}-graphs.json`,
@@ -409,7 +271,7 @@ def estimate_train(
     packed NF4 data; each linear's quantization state (a module attribute) stays whole on every rank. Not
     calibrated on a GPU yet.
     """
-    shape = _shape(cfg)
+    shape = model_shape(cfg)
     tokens = micro_batch * seq_len
     gpu = _nf4_weights(shape, compute_dtype_bytes, double_quant)
     if shard_ranks > 1:
@@ -498,14 +360,17 @@ def estimate_train(
     return _estimate(gpu, host, disk, fields, resident=resident)
 
 
-def estimate_merge(cfg: dict[str, Any], *, max_shard_bytes: int, output_dtype_bytes: int) -> Estimate:
+def estimate_merge(
+    cfg: dict[str, Any], *, max_shard_bytes: int, output_dtype_bytes: int, copied_bytes: int = 0
+) -> Estimate:
     """Memory for a layer-by-layer dequantise + merge that writes `max_shard_bytes` shards.
 
     The GPU holds one decoder layer dequantised in the output dtype and the largest matrix in
     float32 for the `addmm_` of the LoRA update; host memory buffers one shard before it is
-    written; disk receives the whole model in the output dtype.
+    written; disk receives the whole model in the output dtype, and `copied_bytes` of weights the merge
+    copies as they are stored (a multimodal checkpoint's vision tower and projector).
     """
-    shape = _shape(cfg)
+    shape = model_shape(cfg)
     largest = max(a * b for a, b in shape.projections().values())
     gpu = _with_slack(
         {
@@ -521,6 +386,8 @@ def estimate_merge(cfg: dict[str, Any], *, max_shard_bytes: int, output_dtype_by
         "largest tensor in output dtype": shape.vocab * shape.hidden * output_dtype_bytes,
     }
     disk = {"merged model": full}
+    if copied_bytes:
+        disk["vision tower and projector, copied"] = copied_bytes
     fields = {
         "gpu": "merge.maximum_memory_usage",
         "host": "merge.max_shard_size_gb or merge.maximum_memory_usage",
@@ -536,7 +403,7 @@ def estimate_export(cfg: dict[str, Any], *, out_types: list[str] | tuple[str, ..
     tensor in float32 and its converted copy; llama.cpp maps the file it verifies (file-backed pages,
     not counted). Measured at 8B f16: 4.40 GiB anonymous peak, merge's leftovers included.
     """
-    shape = _shape(cfg)
+    shape = model_shape(cfg)
     unknown = [t for t in out_types if t.lower() not in GGUF_TYPES]
     if unknown:
         raise ValueError(f"export.gguf has {unknown}; supported: {sorted(GGUF_TYPES)}")

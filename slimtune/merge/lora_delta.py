@@ -53,6 +53,14 @@ class Adapter:
     lora: dict[str, LoraFactor] = field(default_factory=dict)
     replacements: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def renamed(self, names: dict[str, str]) -> Adapter:
+        """The same tensors under the checkpoint's keys, where `names` maps the trained model's names to them (a
+        multimodal checkpoint's language model, trained alone); other names are kept."""
+        return Adapter(
+            {names.get(k, k): f for k, f in self.lora.items()},
+            {names.get(k, k): t for k, t in self.replacements.items()},
+        )
+
 
 def _pattern_value(patterns: dict[str, float], module: str, default: float) -> float:
     # peft matches a pattern against the module name's dotted suffix (e.g. "q_proj" or "layers.0.q_proj")

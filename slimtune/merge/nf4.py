@@ -93,7 +93,8 @@ def quantized_tensor_names(base_dir: Path, spec: QuantSpec) -> set[str]:
 
     qc = spec.bnb_config()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
+        # a multimodal checkpoint: the language model, which is what was loaded in NF4 (its own names)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir).get_text_config())
     skip = AutoHfQuantizer.from_config(qc).get_modules_to_not_convert(
         model, qc.llm_int8_skip_modules, model._keep_in_fp32_modules
     )

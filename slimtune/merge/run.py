@@ -13,6 +13,7 @@ import torch
 
 from slimtune import atomic
 from slimtune.memory.sampler import PeakSampler
+from slimtune.multimodal import checkpoint_names, layout_of, text_key
 
 from .errors import AlreadyMergedError, MergeError
 from .lora_delta import ADAPTER_FILES, check_against_base, load_adapter
@@ -148,7 +149,12 @@ def merge_adapter(
     shards_in, entries = _base_checkpoint(base_dir)
     prequantized = is_prequantized(config)
     entries, stored_4bit = split_stored_4bit(entries) if prequantized else (entries, {})
-    adapter = load_adapter(adapter_dir)
+    # a multimodal checkpoint's language model was trained alone: its names -> the checkpoint's keys; every other
+    # tensor (vision tower, projector) is copied through as stored
+    multimodal = layout_of(config) is not None
+    names = checkpoint_names(e.name for e in entries) if multimodal else {}
+    kept = frozenset(e.name for e in entries if multimodal and text_key(e.name) is None)
+    adapter = load_adapter(adapter_dir).renamed(names)
     check_against_base(adapter, {e.name: e for e in entries})
     source_used = _resolve_source(source, prequantized, entries, base_dir)
     out_dtype = _output_dtype(config, entries, output_dtype)
@@ -193,8 +199,8 @@ def merge_adapter(
         report.timings = {k: round(v, 3) for k, v in timings.items()}
         return report
 
-    quantized = quantized_tensor_names(base_dir, qspec) if qspec else set()
-    merger = TensorMerger(adapter, quantized, qspec, out_dtype, budgets, stored_4bit)
+    quantized = {names.get(n, n) for n in quantized_tensor_names(base_dir, qspec)} if qspec else set()
+    merger = TensorMerger(adapter, quantized, qspec, out_dtype, budgets, stored_4bit, kept)
     shards = plan_shards(entries, {e.name: merger.out_nbytes(e) for e in entries}, max_shard_bytes)
     out_bytes = sum(s.nbytes for s in shards) + sum(p.stat().st_size for p in copied)
     spill = spill_bound(shards, budgets.host_bytes)

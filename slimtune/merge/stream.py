@@ -104,8 +104,10 @@ class TensorMerger:
         out_dtype: torch.dtype,
         budgets: Budgets,
         stored_4bit: dict[str, dict[str, TensorEntry]],
+        kept: frozenset[str],
     ) -> None:
         self.adapter, self.quantized, self.quant = adapter, quantized, quant
+        self.kept = kept  # copied byte for byte in their stored dtype (a multimodal checkpoint's vision weights)
         self.stored_4bit = stored_4bit
         self.out_dtype, self.budgets = out_dtype, budgets
         self._staging: torch.Tensor | None = None  # one pinned buffer: pinned H2D runs ~3x pageable
@@ -113,8 +115,8 @@ class TensorMerger:
         self.counts: Counter[str] = Counter()
 
     def out_dtype_name(self, entry: TensorEntry) -> str:
-        """Floating tensors take the output dtype; integer buffers keep theirs."""
-        return NAMES[self.out_dtype] if entry.dtype in FLOAT16_32 else entry.dtype
+        """Floating tensors take the output dtype; integer buffers and kept tensors keep theirs."""
+        return NAMES[self.out_dtype] if entry.dtype in FLOAT16_32 and entry.name not in self.kept else entry.dtype
 
     def out_nbytes(self, entry: TensorEntry) -> int:
         return entry.numel * DTYPES[self.out_dtype_name(entry)].itemsize

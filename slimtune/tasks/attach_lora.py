@@ -10,9 +10,9 @@ import torch
 from slimtune import registry
 from slimtune.families import lora_target_modules
 from slimtune.kernels import apply_kernels
-from slimtune.memory.checkpointing import checkpoint_pass, enable_checkpointing
 from slimtune.run_plan import RunPlan, plan_for
 from slimtune.spec import PipelineSpec
+from slimtune.train.step import enable_checkpointing
 from slimtune.train_settings import TrainSettings, resolve_train
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def _configure(
         exclude=settings.kernels_excluded or None,
         # "unsloth" checkpointing's passes: lora_nf4 keeps its casts in the first for the recompute, which skips
         # the output nobody reads
-        checkpoint_pass=checkpoint_pass,
+        checkpoint_pass=checkpointing.layer_pass,
     )
     registry.replace(handle, peft_model)
     # The checkpointing handle holds pinned host buffers, the kernel patch the patched modules (and a

@@ -12,6 +12,7 @@ from slimtune import registry
 from slimtune.families import FAMILIES
 from slimtune.memory import max_memory_with_headroom
 from slimtune.merge.nf4 import TRAINING_NF4
+from slimtune.multimodal import text_model_load_kwargs
 from slimtune.run_plan import RunPlan, plan_for
 from slimtune.spec import PipelineSpec
 
@@ -136,6 +137,7 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
         trust_remote_code=spec.model.trust_remote_code,
         use_safetensors=not spec.model.allow_pickle or None,
         attn_implementation=_attn_implementation(spec.model.attn_implementation, plan.family),
+        **text_model_load_kwargs(model_dir),  # a multimodal checkpoint: its language model, no vision tower
     )
     model.config.use_cache = False
     n4 = keep_training_layout(model)

@@ -11,10 +11,10 @@ from transformers import TrainerCallback
 
 from slimtune import registry
 from slimtune.export.model_card import write_adapter_card
-from slimtune.memory.checkpointing import enable_checkpointing
 from slimtune.run_plan import RunPlan, plan_for
 from slimtune.spec import PipelineSpec
 from slimtune.train import TrainReport, train_adapter
+from slimtune.train.step import enable_checkpointing
 from slimtune.train.trackers import tracker_params
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,8 @@ def packed_sft(
     if current.mode != gradient_checkpointing:
         log.info("switching gradient checkpointing %s -> %s", current.mode, gradient_checkpointing)
         current.undo()
-        registry.replace(checkpointing_handle, enable_checkpointing(model, gradient_checkpointing))
+        # the same LayerPass: the kernels attach_lora patched in read it
+        registry.replace(checkpointing_handle, enable_checkpointing(model, gradient_checkpointing, current.layer_pass))
     # A retry after out-of-memory must not continue from the weights the failed attempt already updated:
     # every attempt starts from the adapter as attach_lora made it (a resume then loads its checkpoint).
     initial = registry.setdefault(f"initial-adapter:{model_handle}", lambda: _trainable_state(model))

@@ -9,7 +9,8 @@ import torch
 
 from slimtune.data import BatchMode
 from slimtune.families import SUPPORTED_MODEL_TYPES
-from slimtune.train.attention import VARLEN
+from slimtune.train.step.attention import VARLEN
+from slimtune.train.step.linear_attention import isolate_documents
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,10 @@ class Batching:
 
 
 def choose_batching(model: torch.nn.Module, requested: BatchMode) -> Batching:
-    """Packed or padding-free where the model's attention isolates examples, padded otherwise."""
+    """Packed or padding-free where the model's attention isolates examples, padded otherwise.
+
+    Packed rows get a model's linear-attention layers run one document at a time (`isolate_documents`, for the
+    model's lifetime: padded inputs go through those layers unchanged)."""
     if requested == "padded":
         return Batching("padded", False)
     config = model.config
@@ -52,6 +56,7 @@ def choose_batching(model: torch.nn.Module, requested: BatchMode) -> Batching:
     if reason:
         log.warning("data.packing %s falls back to padded batches: %s", requested, reason)
         return Batching("padded", False, reason)
+    isolate_documents(model)
     return Batching(requested, attn in _VARLEN)
 
 

@@ -27,22 +27,19 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.integrations import MLflowCallback
+from transformers.integrations import MLflowCallback, WandbCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from slimtune import atomic
 from slimtune.charts import LOSS_CURVE_KIND
 from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
 from slimtune.evaluate import perplexity
-from slimtune.memory.checkpointing import graphed_backward, parameters_from_lists
 from slimtune.run_artifacts import progress_key, run_key, stage_span, stage_title
 from slimtune.spec import DataSpec, TrainSpec
 from slimtune.train import checkpoints
 from slimtune.train.adapter_io import save_adapter
 from slimtune.train.arguments import ddp_bucket_cap_mb, training_arguments
-from slimtune.train.attention import prefer_varlen
 from slimtune.train.callbacks import LogCallback, PrefectProgressCallback, run_logger
-from slimtune.train.fp32_rope import keep_rope_fp32
 from slimtune.train.options import choose_batching, model_device, resolve_optimizer, resolve_precision
 from slimtune.train.result import REPORT_FILE, TrainReport, read_report, run_identity
 from slimtune.train.resume import (
@@ -53,9 +50,11 @@ from slimtune.train.resume import (
     restore_finished,
     training_settings,
 )
+from slimtune.train.step import StepSettings, step_context
+from slimtune.train.step.attention import prefer_varlen
+from slimtune.train.step.fp32_rope import keep_rope_fp32
 from slimtune.train.terminal import TerminalBar
-from slimtune.train.trackers import MLflowRun, offline_trackers
-from slimtune.train.walks import walks_from_lists
+from slimtune.train.trackers import MLflowRun, WandbRun, offline_trackers
 
 log = logging.getLogger(__name__)
 
@@ -222,10 +221,10 @@ def train_adapter(
         micro_batch_size: rows per forward pass (the memory guard may lower it on a retry).
         gradient_accumulation_steps: micro-batches per optimizer step (raised with a lower micro-batch).
         callbacks: extra Trainer callbacks (e.g. the memory guard's).
-        cuda_graphs: capture each checkpointed layer's backward (`graphed_backward`); default `train.cuda_graphs`.
+        cuda_graphs: capture each checkpointed layer's backward (`step_context`); default `train.cuda_graphs`.
         tracker_params: the spec as params for the trackers (`trackers.tracker_params`).
-        describe: writes files about the finished adapter (its card) from the report; MLflow gets them and the
-            report as artifacts.
+        describe: writes files about the finished adapter (its card) from the report; MLflow and W&B get them and
+            the report as artifacts.
 
     Returns:
         The report, also written to run_dir/train_report.json; the adapter is in run_dir/adapter.
@@ -319,10 +318,15 @@ def train_adapter(
         trainer.remove_callback(ProgressCallback)
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(bar := TerminalBar())
-        mlflow_run = None
-        if "mlflow" in train.report_to:  # Trainer's own callback would end the run before the final evaluation
+        trackers: list[MLflowRun | WandbRun] = []  # Trainer's MLflow callback ends its run before the final eval
+        if "mlflow" in train.report_to:
             trainer.remove_callback(MLflowCallback)
-            trainer.add_callback(mlflow_run := MLflowRun(tracker_params or {}, run_dir / "mlflow-artifacts"))
+            trackers.append(MLflowRun(tracker_params or {}, run_dir / "mlflow-artifacts"))
+        if "wandb" in train.report_to:
+            trainer.remove_callback(WandbCallback)
+            trackers.append(WandbRun(tracker_params or {}))
+        for tracker in trackers:
+            trainer.add_callback(tracker)
         # The eval before training runs inside train() (eval_on_start), after DDP has wrapped the model: an
         # evaluate() before train() marks the model prepared, and accelerate then skips the DDP wrap (ranks
         # silently diverge: verified with 2 gloo ranks, transformers 5.23 + accelerate).
@@ -331,24 +335,19 @@ def train_adapter(
         trainer.add_callback(_PublishCheckpoint(trainer, ckpt_root))
         began = trainer.began = time.perf_counter()
         trainer.seconds_before = seconds_before
-        graphs, graphs_note = None, None
+        graphs_note = None
         if resume_from is not None and is_finished(resume_from):
             restore_finished(trainer, model, resume_from)
         else:
-            # one process: Trainer's per-step walks of the model, and each checkpointed layer's walk for its
-            # trainable parameters, from lists (DDP and FSDP wrap modules in train()); the layers' backward as
-            # CUDA graphs (DDP reduces gradients from hooks on each parameter's accumulation, which a graph skips)
-            walks = contextlib.ExitStack()
-            walks.callback(bar.close)  # also when training fails: the console gets its handlers back
-            if args.world_size == 1:
-                walks.enter_context(walks_from_lists(model))
-                walks.enter_context(parameters_from_lists(model))
-                if train.cuda_graphs if cuda_graphs is None else cuda_graphs:
-                    graphs = walks.enter_context(graphed_backward(model))
+            step_settings = StepSettings(
+                single_process=args.world_size == 1,
+                cuda_graphs=train.cuda_graphs if cuda_graphs is None else cuda_graphs,
+            )
             try:
-                with walks:
+                # the bar closes also when training fails: the console gets its handlers back
+                with contextlib.closing(bar), step_context(model, step_settings) as step:
                     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-                    if graphs is not None:
+                    if (graphs := step.graphs) is not None:
                         graphs_note = f"{graphs.captured} captured, {graphs.replays} replays"
                         graphs_note += f"; off after a failed capture: {graphs.reason}" if graphs.reason else ""
                         run_logger().info("CUDA graphs of the layers' backward: %s", graphs_note)
@@ -416,8 +415,8 @@ def train_adapter(
     if trainer.is_world_process_zero():
         atomic.write_json(run_dir / REPORT_FILE, asdict(report))
     described = list(describe(report)) if describe is not None else []
-    if mlflow_run is not None:
-        mlflow_run.close([run_dir / REPORT_FILE, *described])
+    for tracker in trackers:
+        tracker.close([run_dir / REPORT_FILE, *described])
     trainer.accelerator.wait_for_everyone()  # no rank returns before the adapter exists
     log.info("trained %d steps in %.1f s: eval loss %s -> %s", report.steps, report.seconds, eval_before, eval_after)
     return report

@@ -18,6 +18,8 @@ add an attention function; nothing of transformers is patched). A name transform
 for gets `attention_mask=None` (masking_utils: "custom attention without equivalent mask creation"), so
 the model must only be switched while it trains on packed or padding-free batches: `prefer_varlen`
 does that, and the boundaries come from `cu_seq_lens_q` or, failing that, from restarting position ids.
+Sliding-window layers (Gemma 3, Qwen2, Mistral, Phi-3) pass their window, which the kernel takes as its left
+bound, so they stay on it too (with a dense mask they left flash: Gemma-3-1B trained at 0.48x Unsloth's speed).
 Off CUDA (tests) each example goes through its own causal SDPA call: slow, same result.
 """
 
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from slimtune.families import text_fields
+from slimtune.families import FAMILIES, text_fields
 
 log = logging.getLogger(__name__)
 
@@ -73,23 +75,40 @@ def varlen_attention_forward(
     batch, heads, length, dim = query.shape
     total = batch * length
     cu, longest = _boundaries(kwargs, kwargs.get("position_ids"), total, query.device)
+    # A sliding-window layer attends to its last `window` tokens, itself included (transformers' overlay:
+    # kv > q - window); flash's inclusive left bound is window - 1. Layers pass it as `sliding_window`.
+    window = kwargs.get("sliding_window")
     # (B, H, T, D) -> (B*T, H, D): a transpose view; the kernel takes any strides but the last.
     q, k, v = (t.transpose(1, 2).reshape(total, t.shape[1], dim) for t in (query, key, value))
     flash = _flash_varlen() if query.is_cuda and dropout == 0.0 else None
     if flash is not None and query.dtype in (torch.float16, torch.bfloat16):
         # causal, no dropout, no debug mask; k and v keep their own (fewer) heads
-        out = flash(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scaling)[0]
+        bounds = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
+        out = flash(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scaling, **bounds)[0]
     else:
         out = torch.empty_like(q)
-        bounds = cu.tolist()
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        ends = cu.tolist()
+        for start, end in zip(ends[:-1], ends[1:], strict=True):
             if start == end:  # an empty segment the collator padded the boundaries with
                 continue
             seg = [t[start:end].transpose(0, 1) for t in (q, k, v)]
             out[start:end] = F.scaled_dot_product_attention(
-                *seg, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != heads
+                *seg,
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=k.shape[1] != heads,
+                **_causal(end - start, window, q.device),
             ).transpose(0, 1)
     return out.reshape(batch, length, heads, dim), None
+
+
+def _causal(length: int, window: int | None, device: torch.device) -> dict[str, Any]:
+    """SDPA's arguments for causal attention over `length` tokens, within the last `window` where given."""
+    if not window or window >= length:
+        return {"is_causal": True}
+    i = torch.arange(length, device=device)
+    distance = i[:, None] - i[None, :]
+    return {"attn_mask": (distance >= 0) & (distance < window)}
 
 
 def register() -> None:
@@ -101,8 +120,13 @@ def register() -> None:
 
 def _config_reason(get: Callable[[str], Any]) -> str | None:
     """Why a decoder whose config fields `get` returns cannot use `VARLEN`, else None."""
-    if any(t != "full_attention" for t in get("layer_types") or ()):
-        return "sliding-window layers"
+    types = set(get("layer_types") or ())
+    if types - {"full_attention", "sliding_attention"}:
+        return f"layers of type {', '.join(sorted(types - {'full_attention', 'sliding_attention'}))}"
+    family = FAMILIES.get(get("model_type"))
+    sliding = "sliding_attention" in types or get("sliding_window")
+    if sliding and not (family and family.sliding_window_kwarg):
+        return "sliding-window layers whose attention does not pass its window on"
     if get("attn_logit_softcapping") or (get("head_dim") or 0) > 256:
         return "logit soft-capping or head_dim over 256"
     return None

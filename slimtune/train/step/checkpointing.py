@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Literal
@@ -29,22 +28,22 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from slimtune.memory.clean import drop_cublas_workspaces
-from slimtune.memory.layer_graphs import LayerGraphs
-from slimtune.memory.offload import ActivationOffloader, OffloadStats
+from slimtune.train.step.layer_graphs import LayerGraphs
+from slimtune.train.step.offload import ActivationOffloader, OffloadStats
 
 Mode = bool | Literal["unsloth"]
 _MISSING = object()
 _SUPPORTED = "Llama, Mistral, Qwen2, Qwen3, Gemma (decoder layers at `model.model.layers`)"
-_PASS = threading.local()  # backward runs on autograd's thread: `checkpoint_pass`'s state, per thread
 log = logging.getLogger(__name__)
 
 
 CheckpointPass = Literal["first", "recompute"] | None
 
 
-def checkpoint_pass() -> CheckpointPass:
-    """Which pass of an "unsloth"-checkpointed decoder layer runs now, for kernels that act on it
-    (`kernels.apply_kernels`'s `checkpoint_pass`):
+class LayerPass:
+    """Which pass of an "unsloth"-checkpointed decoder layer runs now (`kind`; calling it returns it), for kernels
+    that act on it: one per model, shared by its checkpointed layers (`enable_checkpointing`'s `layer_pass`) and
+    the kernels patched into it (`kernels.apply_kernels`'s `checkpoint_pass`).
 
     - "recompute": the backward re-runs the layer for the autograd graph it builds, and throws its output away;
       a kernel may skip work that only produces that output (`kernels.lora_linear`, `compute_output`).
@@ -54,8 +53,17 @@ def checkpoint_pass() -> CheckpointPass:
       reads what its capture made, so a kept tensor would live unread through the whole backward (the 8B model's
       casts: 77 MiB at the peak, benchmarks/peak_breakdown.py). A layer whose backward still runs eagerly then (a
       new input shape) makes them again.
+
+    A plain attribute, not a thread-local: the backward recomputes on autograd's thread while the main thread waits
+    in `backward()`, and the forward runs on the main thread while no backward runs, so the two passes of one
+    model never overlap; a model trained on another thread has its own object.
     """
-    return getattr(_PASS, "kind", None)
+
+    def __init__(self) -> None:
+        self.kind: CheckpointPass = None
+
+    def __call__(self) -> CheckpointPass:
+        return self.kind
 
 
 class CheckpointingHandle(AbstractContextManager["CheckpointingHandle"]):
@@ -64,13 +72,21 @@ class CheckpointingHandle(AbstractContextManager["CheckpointingHandle"]):
     Attributes:
         mode: the mode it was enabled with.
         offloading: True only for "unsloth" on a CUDA model, where layer inputs really go to the host.
+        layer_pass: which pass of a layer runs, for the kernels (`LayerPass`); hand it to the next
+            `enable_checkpointing` of the same model, so kernels patched before keep reading it.
     """
 
     def __init__(
-        self, mode: Mode, offloading: bool, offloader: ActivationOffloader | None, undo_steps: list[Callable[[], None]]
+        self,
+        mode: Mode,
+        offloading: bool,
+        offloader: ActivationOffloader | None,
+        undo_steps: list[Callable[[], None]],
+        layer_pass: LayerPass,
     ) -> None:
         self.mode = mode
         self.offloading = offloading
+        self.layer_pass = layer_pass
         self._offloader = offloader
         self._undo_steps = undo_steps
 
@@ -95,7 +111,7 @@ class CheckpointingHandle(AbstractContextManager["CheckpointingHandle"]):
         self.undo()
 
 
-def enable_checkpointing(model: nn.Module, mode: Mode) -> CheckpointingHandle:
+def enable_checkpointing(model: nn.Module, mode: Mode, layer_pass: LayerPass | None = None) -> CheckpointingHandle:
     """Apply `lora.gradient_checkpointing` to a PeftModel or a plain HF causal LM, in place.
 
     Args:
@@ -103,6 +119,7 @@ def enable_checkpointing(model: nn.Module, mode: Mode) -> CheckpointingHandle:
         mode: False (no checkpointing), True (standard non-reentrant checkpointing of each decoder
             layer) or "unsloth" (recompute each layer in backward, with its input kept in pinned host
             memory on CUDA; on CPU the same recompute runs without the offload).
+        layer_pass: where the layers say which pass runs, for the kernels; a new one when None.
 
     Returns:
         A handle whose `undo()` restores the model; it is also a context manager.
@@ -111,22 +128,27 @@ def enable_checkpointing(model: nn.Module, mode: Mode) -> CheckpointingHandle:
         ValueError: for an unknown mode, a model whose decoder layers cannot be found, or a model
             where checkpointing is already enabled by this function.
     """
-    return _enable(model, mode)
+    return _enable(model, mode, layer_pass)
 
 
 def _enable(
-    model: nn.Module, mode: Mode, offload_min_bytes: int | None = None, offload_on_cpu: bool = False
+    model: nn.Module,
+    mode: Mode,
+    layer_pass: LayerPass | None = None,
+    offload_min_bytes: int | None = None,
+    offload_on_cpu: bool = False,
 ) -> CheckpointingHandle:
     """`enable_checkpointing`, with the offload threshold and a CPU offload switch open to tests."""
     if not (mode is False or mode is True or mode == "unsloth"):
         raise ValueError(f'lora.gradient_checkpointing must be false, true or "unsloth"; got {mode!r}')
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = _decoder_layers(base)
-    if any(getattr(layer.__dict__.get("forward"), "_slimtune_checkpointing", False) for layer in layers):
+    if any(isinstance(layer.__dict__.get("forward"), _CheckpointedForward) for layer in layers):
         raise ValueError(
             "gradient checkpointing is already enabled on this model; "
             "call undo() on the first handle before enabling it again"
         )
+    layer_pass = layer_pass if layer_pass is not None else LayerPass()
     undo: list[Callable[[], None]] = []
     config = getattr(base, "config", None)
     if config is not None and getattr(config, "use_cache", None):
@@ -134,7 +156,7 @@ def _enable(
         config.use_cache = False
         undo.append(functools.partial(setattr, config, "use_cache", True))
     if mode is False:
-        return CheckpointingHandle(mode, False, None, undo)
+        return CheckpointingHandle(mode, False, None, undo, layer_pass)
 
     device = next((p.device for p in layers.parameters()), torch.device("cpu"))
     offloader = None
@@ -144,8 +166,11 @@ def _enable(
             offloader.min_bytes = offload_min_bytes
     offload = mode == "unsloth" and (device.type == "cuda" or offload_on_cpu)
     for idx, layer in enumerate(layers):
-        undo.append(_patch_layer(layer, idx, idx == len(layers) - 1, mode, offloader if offload else None))
-    return CheckpointingHandle(mode, offload and device.type == "cuda", offloader, undo)
+        forward = _CheckpointedForward(
+            layer, idx, idx == len(layers) - 1, mode, offloader if offload else None, layer_pass
+        )
+        undo.append(_patch_layer(layer, idx, forward))
+    return CheckpointingHandle(mode, offload and device.type == "cuda", offloader, undo, layer_pass)
 
 
 def _decoder_layers(base: nn.Module) -> nn.ModuleList:
@@ -159,18 +184,34 @@ def _decoder_layers(base: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _patch_layer(
-    layer: nn.Module, idx: int, is_last: bool, mode: Mode, offloader: ActivationOffloader | None
-) -> Callable[[], None]:
-    """Replace `layer.forward` on the instance; return the function that puts it back."""
-    previous = layer.__dict__.get("forward", _MISSING)
-    inner = layer.forward  # the class forward, or an instance hook (accelerate) that we then wrap
-    # transformers' own per-layer checkpointing would nest inside ours; switch it off while we are on.
-    hf_flag = layer.__dict__.get("gradient_checkpointing", _MISSING)
-    if hf_flag is not _MISSING:
-        layer.gradient_checkpointing = False
+class _CheckpointedForward:
+    """A decoder layer's forward under checkpointing, set on the layer instance in place of its own.
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    Attributes:
+        mode: the checkpointing mode it runs.
+        listed: the layer's trainable parameters while `parameters_from_lists` holds them; None: found per call.
+        graphs: the CUDA graphs of the layers' backward while `graphed_backward` runs; None: an eager backward.
+    """
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        idx: int,
+        is_last: bool,
+        mode: Mode,
+        offloader: ActivationOffloader | None,
+        layer_pass: LayerPass,
+    ) -> None:
+        self.layer, self.idx, self.is_last = layer, idx, is_last
+        self.inner = layer.forward  # the class forward, or an instance hook (accelerate) that we then wrap
+        self.mode = mode
+        self.offloader = offloader
+        self.layer_pass = layer_pass
+        self.listed: list[torch.Tensor] | None = None
+        self.graphs: LayerGraphs | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        layer, inner = self.layer, self.inner
         if not (layer.training and torch.is_grad_enabled()):
             return inner(*args, **kwargs)
         if args:
@@ -180,20 +221,24 @@ def _patch_layer(
         for name, off in (("use_cache", False), ("past_key_values", None), ("layer_past", None)):
             if name in kwargs:
                 kwargs[name] = off  # a recomputed layer would append to a cache twice
-        if mode is True:
+        if self.mode is True:
             return checkpoint(functools.partial(_call, inner, rest, kwargs), hidden, use_reentrant=False)
         _check_frozen_extras(rest, kwargs, type(layer).__name__)
-        params = forward.listed if forward.listed is not None else _trainable(layer)  # type: ignore[attr-defined]
-        call = (inner, rest, kwargs)
+        params = self.listed if self.listed is not None else _trainable(layer)
+        call = (inner, rest, kwargs, self.layer_pass)
         # The last layer's input is kept for its backward, which follows at once; under graphs it goes to the host
         # too, and comes back into the graph's buffer (`LayerGraphs.reload_target`) instead of staying beside it
-        offload = not is_last or forward.graphs is not None  # type: ignore[attr-defined]
-        return _RecomputedLayer.apply(call, offloader, forward.graphs, idx, offload, hidden, *params)  # type: ignore[attr-defined]
+        offload = not self.is_last or self.graphs is not None
+        return _RecomputedLayer.apply(call, self.offloader, self.graphs, self.idx, offload, hidden, *params)
 
-    forward._slimtune_checkpointing = True  # type: ignore[attr-defined]
-    forward.mode = mode  # type: ignore[attr-defined]
-    forward.listed = None  # type: ignore[attr-defined]  # set by `parameters_from_lists`
-    forward.graphs = None  # type: ignore[attr-defined]  # set by `graphed_backward`
+
+def _patch_layer(layer: nn.Module, idx: int, forward: _CheckpointedForward) -> Callable[[], None]:
+    """Replace `layer.forward` on the instance by `forward`; return the function that puts it back."""
+    previous = layer.__dict__.get("forward", _MISSING)
+    # transformers' own per-layer checkpointing would nest inside ours; switch it off while we are on.
+    hf_flag = layer.__dict__.get("gradient_checkpointing", _MISSING)
+    if hf_flag is not _MISSING:
+        layer.gradient_checkpointing = False
     layer.forward = forward
 
     def restore() -> None:
@@ -222,7 +267,7 @@ def parameters_from_lists(model: nn.Module) -> Iterator[int]:
     which the "unsloth" recompute takes; yields how many layers got one.
 
     Otherwise every forward of every layer walks its modules for them (83 in a Llama layer with peft LoRA on
-    seven projections). Same contract as `slimtune.train.walks.walks_from_lists`: use it around one
+    seven projections). Same contract as `slimtune.train.step.walks.walks_from_lists`: use it around one
     single-process `Trainer.train` call, within which no module or parameter is added, removed or frozen.
     """
     patched = _patched(model)
@@ -235,7 +280,7 @@ def parameters_from_lists(model: nn.Module) -> Iterator[int]:
             forward.listed = None
 
 
-def _patched(model: nn.Module) -> list[tuple[Any, nn.Module]]:
+def _patched(model: nn.Module) -> list[tuple[_CheckpointedForward, nn.Module]]:
     """(patched forward, layer) of each decoder layer `enable_checkpointing` patched."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     try:
@@ -243,7 +288,7 @@ def _patched(model: nn.Module) -> list[tuple[Any, nn.Module]]:
     except ValueError:
         return []
     patched = [(layer.__dict__.get("forward"), layer) for layer in layers]
-    return [(f, layer) for f, layer in patched if getattr(f, "_slimtune_checkpointing", False)]
+    return [(f, layer) for f, layer in patched if isinstance(f, _CheckpointedForward)]
 
 
 def graphs_refusal(model: nn.Module) -> str | None:
@@ -265,7 +310,7 @@ def graphs_refusal(model: nn.Module) -> str | None:
 @contextlib.contextmanager
 def graphed_backward(model: nn.Module) -> Iterator[LayerGraphs | None]:
     """Within the block, the backward of each "unsloth"-checkpointed decoder layer runs as a CUDA graph, captured
-    at its second backward of each input shape (see `slimtune.memory.layer_graphs`); yields the graphs, or None
+    at its second backward of each input shape (see `slimtune.train.step.layer_graphs`); yields the graphs, or None
     where `graphs_refusal` refuses (the reason is logged).
 
     The graphs read the layers' parameters and the kernels' buffers where they were at capture: use it around one
@@ -319,16 +364,21 @@ def _check_frozen_extras(rest: tuple[Any, ...], kwargs: dict[str, Any], layer_na
 
 
 def _recompute(
-    inner: Callable[..., Any], autocast: tuple, hidden: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any]
+    inner: Callable[..., Any],
+    layer_pass: LayerPass,
+    autocast: tuple,
+    hidden: torch.Tensor,
+    rest: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> Any:
     """Run the layer again with grad, under the forward's autocast state, flagged as a recompute."""
     device_type, enabled, dtype, cache = autocast
     with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache):
-        _PASS.kind = "recompute"
+        layer_pass.kind = "recompute"
         try:
             return inner(hidden, *rest, **kwargs)
         finally:
-            _PASS.kind = None
+            layer_pass.kind = None
 
 
 class _RecomputedLayer(torch.autograd.Function):
@@ -337,7 +387,7 @@ class _RecomputedLayer(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
-        call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]],
+        call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], LayerPass],
         offloader: ActivationOffloader | None,
         graphs: LayerGraphs | None,
         idx: int,
@@ -362,12 +412,12 @@ class _RecomputedLayer(torch.autograd.Function):
         else:
             ctx.hidden = hidden
         ctx.save_for_backward(*params)
-        inner, rest, kwargs = call
-        _PASS.kind = "first" if graphs is None or not graphs.enabled else None
+        inner, rest, kwargs, layer_pass = call
+        layer_pass.kind = "first" if graphs is None or not graphs.enabled else None
         try:
             out = inner(hidden, *rest, **kwargs)
         finally:
-            _PASS.kind = None
+            layer_pass.kind = None
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f'gradient_checkpointing "unsloth" expects decoder layers to return a tensor, '
@@ -383,11 +433,11 @@ class _RecomputedLayer(torch.autograd.Function):
         else:
             saved, ctx.hidden = ctx.hidden, None
         wants_hidden = ctx.needs_input_grad[5]
-        inner, rest, kwargs = ctx.call
+        inner, rest, kwargs, layer_pass = ctx.call
         if ctx.graphs is not None:
             done = ctx.graphs.backward(
                 ctx.idx,
-                functools.partial(_recompute, inner, ctx.autocast),
+                functools.partial(_recompute, inner, layer_pass, ctx.autocast),
                 rest,
                 kwargs,
                 saved,
@@ -405,7 +455,7 @@ class _RecomputedLayer(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
-            out = _recompute(inner, ctx.autocast, hidden, rest, kwargs)
+            out = _recompute(inner, layer_pass, ctx.autocast, hidden, rest, kwargs)
         inputs = ([hidden] if hidden.requires_grad else []) + list(params)
         grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
         hidden_grad = grads.pop(0) if hidden.requires_grad else None
