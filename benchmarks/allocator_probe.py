@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from slimtune.device import resolve_device
+from slimtune.core.device import resolve_device
 
 GiB = 1024**3
 

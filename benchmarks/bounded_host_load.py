@@ -30,7 +30,7 @@ def child(model_dir: str, data: str, root: str) -> None:
     from calibrate_memory import _base_spec, _record
 
     from slimtune.memory import guarded
-    from slimtune.spec import parse_spec
+    from slimtune.spec.schema import parse_spec
     from slimtune.tasks.load_4bit import load_4bit
 
     spec = parse_spec(_base_spec(Path(model_dir), Path(data), Path(root) / "runs", "bounded-load"))

@@ -48,7 +48,7 @@ def build_model(key: str, root: Path, device: str = "cuda") -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from slimtune.tiny import build_tokenizer
+    from slimtune.models.tiny import build_tokenizer
 
     out = root / f"model-{key}"
     if (out / "config.json").is_file():
@@ -114,15 +114,15 @@ def _append(path: Path, row: dict) -> None:
 
 def worker(key: str, kernels: str, cells: list[dict], root: Path, results: Path, device: str = "cuda") -> None:
     """Load once, attach LoRA once, then train each cell (2 steps) under the product's guard."""
-    from slimtune.device import prefer_expandable_segments
+    from slimtune.core.device import prefer_expandable_segments
 
     prefer_expandable_segments()  # what resolve_device does in the product, before this worker touches CUDA
     import torch
 
-    from slimtune import registry
+    from slimtune.core import registry
     from slimtune.memory import estimate_train, guarded
     from slimtune.memory.errors import MemoryPressure
-    from slimtune.spec import parse_spec
+    from slimtune.spec.schema import parse_spec
     from slimtune.tasks.attach_lora import attach_lora
     from slimtune.tasks.load_4bit import load_4bit
     from slimtune.tasks.packed_sft import packed_sft, prepare_data
@@ -219,7 +219,7 @@ def _e2e(
     spec_path = root / f"{name}.json"
     spec_path.write_text(json.dumps(raw))
     t0 = time.time()
-    proc, device_peak = _run_sampled([sys.executable, "-m", "slimtune.cli", "run", str(spec_path)], root, timeout)
+    proc, device_peak = _run_sampled([sys.executable, "-m", "slimtune.cli.main", "run", str(spec_path)], root, timeout)
     run_dir = root / "runs" / name
     log_lines = (proc.stdout + proc.stderr).splitlines()
     stages = {}

@@ -69,7 +69,7 @@ def _build_model(out: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from slimtune.tiny import ensure_builtin
+    from slimtune.models.tiny import ensure_builtin
 
     tok = AutoTokenizer.from_pretrained(ensure_builtin("builtin:tiny-llama"))
     torch.manual_seed(0)
@@ -124,7 +124,7 @@ def _batch(args: argparse.Namespace, gpus: int) -> tuple[int, int]:
 
 
 def _spec(model_dir: Path, data: Path, out: Path, name: str, gpus: int, args: argparse.Namespace):
-    from slimtune.spec import parse_spec
+    from slimtune.spec.schema import parse_spec
 
     micro, accum = _batch(args, gpus)
     return parse_spec(
@@ -184,8 +184,8 @@ def _kernels(args: argparse.Namespace, model_dir: Path) -> str | list[str]:
     named for both runs so that the single reference does the same math."""
     if args.parallelism == "ddp" or args.device == "cpu":
         return "auto"
-    from slimtune.families import FAMILIES
-    from slimtune.train_settings import FSDP_EXCLUDED_KERNELS
+    from slimtune.models.families import FAMILIES
+    from slimtune.plan.train_settings import FSDP_EXCLUDED_KERNELS
 
     family = json.loads((model_dir / "config.json").read_text())["model_type"]
     return [k for k in FAMILIES[family].kernels if k not in FSDP_EXCLUDED_KERNELS]
@@ -203,7 +203,7 @@ def _best_single(single):
 def _fit_check(best, single, multi, args: argparse.Namespace) -> dict:
     """`slimtune plan`'s packed_sft verdicts under --budget-gib: one GPU (best settings, then the reference's),
     then one FSDP rank (before training)."""
-    from slimtune.plan import Budget, model_config, plan, render
+    from slimtune.plan.fit import Budget, model_config, plan, render
 
     total, out = _gpu_total(args), {"budget_gib": args.budget_gib, "gpu_total_gib": _gpu_total(args) / 2**30}
     budget = Budget(total, _fraction(args), None)
@@ -226,7 +226,7 @@ def _attempt(spec, args: argparse.Namespace) -> dict:
     """`spec` on one GPU under --budget-gib, as far as the guard's preflight (nothing is loaded either way)."""
     from slimtune.memory.errors import PreflightError
     from slimtune.memory.guard import guarded
-    from slimtune.plan import model_config, train_estimate
+    from slimtune.plan.fit import model_config, train_estimate
 
     device = _device(spec)
     micro, ckpt = spec.train.micro_batch_size, spec.lora.gradient_checkpointing
@@ -240,7 +240,7 @@ def _attempt(spec, args: argparse.Namespace) -> dict:
 
 
 def _single(spec) -> dict:
-    from slimtune import registry
+    from slimtune.core import registry
     from slimtune.memory.guard import guarded
     from slimtune.tasks.attach_lora import attach_lora
     from slimtune.tasks.load_4bit import load_4bit
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         data = _write_data(work / "data.jsonl", examples=rows_needed * 4, words=args.seq // 4)
 
     from slimtune.flows import ranks
-    from slimtune.train_settings import rank_checkpointing
+    from slimtune.plan.train_settings import rank_checkpointing
 
     build_s = time.perf_counter() - built
     out.mkdir(parents=True, exist_ok=True)  # each part is kept if a later one does not finish within a time limit

@@ -56,7 +56,7 @@ def export_step(step: str, model_key: str, device: str, scratch: Path) -> dict[s
         if step == "prep":
             from peft import LoraConfig, get_peft_model
 
-            from slimtune.tiny import build_tokenizer  # a byte-level BPE the GGUF converter maps to llama.cpp
+            from slimtune.models.tiny import build_tokenizer  # a byte-level BPE the GGUF converter maps to llama.cpp
 
             def fn() -> list[Path]:
                 model = build_random_model(MODEL_SHAPES[model_key], device)

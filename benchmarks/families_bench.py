@@ -106,7 +106,9 @@ def run_row(key: str, root: Path, logs: Path, args: argparse.Namespace, verify: 
     run_dir = root / "runs" / spec["name"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a re-run must not resume the previous one's checkpoint
     t0 = time.monotonic()
-    proc = run_process([sys.executable, "-m", "slimtune.cli", "run", str(spec_path)], timeout, logs / f"{key}-run.log")
+    proc = run_process(
+        [sys.executable, "-m", "slimtune.cli.main", "run", str(spec_path)], timeout, logs / f"{key}-run.log"
+    )
     rc, tail = proc["rc"], proc["tail"]
     seconds = round(time.monotonic() - t0, 1)
     status = "ok" if rc == 0 else "timeout" if rc is None else "error"

@@ -109,7 +109,7 @@ def _generate(work: Path, layers: int) -> dict:
     from transformers import GenerationConfig, LlamaConfig
 
     from slimtune.merge.safetensors_io import OutTensor, write_shard
-    from slimtune.tiny import build_tokenizer
+    from slimtune.models.tiny import build_tokenizer
 
     base, adapter = work / "base", work / "adapter"
     base.mkdir(parents=True)

@@ -44,7 +44,7 @@ from benchmarks.common import (
 if TYPE_CHECKING:  # the benchmark imports slimtune's task modules only inside its workers
     from transformers import TrainerCallback
 
-    from slimtune.run_plan import RunPlan
+    from slimtune.plan.run_plan import RunPlan
     from slimtune.tasks.attach_lora import LoraResult
     from slimtune.train import TrainReport
 
@@ -53,7 +53,7 @@ PRODUCT_CONFIGS = ("product", "product_sdpa", "product_eager")
 
 def write_chat_data(path: Path, tokens_needed: int, seed: int = 0) -> Path:
     """Chat records of skewed lengths (most short, a tail near the row length), enough for the run."""
-    from slimtune.tiny import _corpus
+    from slimtune.models.tiny import _corpus
 
     rng = random.Random(seed)
     words = " ".join(_corpus()).split()
@@ -71,7 +71,7 @@ def write_chat_data(path: Path, tokens_needed: int, seed: int = 0) -> Path:
 
 
 def _spec(root: Path, batch: int, seq: int, steps: int, name: str, device: str, cuda_graphs: bool = True):
-    from slimtune.spec import parse_spec
+    from slimtune.spec.schema import parse_spec
 
     return parse_spec(
         {
@@ -116,12 +116,12 @@ def prepare_product(
     model_key: str, max_batch: int, seq: int, total_steps: int, device: str, scratch: Path
 ) -> ProductSetup:
     """Build the random NF4 model, attach LoRA as `attach_lora` does and prepare the chat data for `packed_sft`."""
-    from slimtune import registry
-    from slimtune.device import resolve_compute_dtype
-    from slimtune.run_plan import RunPlan
+    from slimtune.core import registry
+    from slimtune.core.device import resolve_compute_dtype
+    from slimtune.models.tiny import build_tokenizer
+    from slimtune.plan.run_plan import RunPlan
     from slimtune.tasks.attach_lora import attach_lora
     from slimtune.tasks.packed_sft import prepare_data
-    from slimtune.tiny import build_tokenizer
 
     root = Path(scratch) / f"product-{model_key}"
     # A run folder left by an earlier worker would make packed_sft resume that finished run: nothing trained,

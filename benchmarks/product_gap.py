@@ -139,7 +139,7 @@ def measure(model_key: str, batches: list[int], seq: int, warmup: int, steps: in
     from slimtune.train.step.attention import prefer_varlen
 
     ps = prepare_product(model_key, max(batches), seq, (warmup + steps + 1) * rounds, "cuda", scratch)
-    from slimtune import registry
+    from slimtune.core import registry
 
     model = registry.get(ps.handle)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -10,7 +10,7 @@ out=${1:?usage: quickstart_device.sh OUT}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$repo"/.whl/*.whl
 export PYTHONPATH=/tmp/site:$repo PREFECT_HOME=/tmp/qs/prefect HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-slimtune() { python3 -m slimtune.cli "$@"; }
+slimtune() { python3 -m slimtune.cli.main "$@"; }
 
 mkdir -p /tmp/qs && cd /tmp/qs
 python3 -c "from pathlib import Path; from benchmarks.calibrate_memory import build_model; build_model('1b', Path('.'))"

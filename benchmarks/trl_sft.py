@@ -163,8 +163,8 @@ def _load(args: argparse.Namespace, model_dir: Path, result: dict[str, Any]):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slimtune.families import lora_target_modules
     from slimtune.merge.nf4 import QuantSpec
+    from slimtune.models.families import lora_target_modules
 
     attn = hf_attention(args.hf_attn, args.device)
     model = AutoModelForCausalLM.from_pretrained(

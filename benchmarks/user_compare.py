@@ -153,7 +153,7 @@ def slimtune_row(args: argparse.Namespace, root: Path, logs: Path, timeout: floa
     spec_path.write_text(json.dumps(spec))
     run_dir = root / "runs" / spec["name"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a re-run must not resume or reuse the previous run
-    cmd = [sys.executable, "-m", "slimtune.cli", "run", str(spec_path)]
+    cmd = [sys.executable, "-m", "slimtune.cli.main", "run", str(spec_path)]
     proc = run_process(cmd, timeout, logs / "slimtune.log")
     row = _base_row(args, "slimtune", proc)
     train_path = run_dir / "train_report.json"

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from slimtune.placement import CPU_SLOT, EXPORT_ENTRYPOINT, FINETUNE_ENTRYPOINT, work_queue
+from slimtune.core.placement import CPU_SLOT, EXPORT_ENTRYPOINT, FINETUNE_ENTRYPOINT, work_queue
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = REPO / "prefect.yaml"

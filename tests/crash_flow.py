@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect import flow
 
-from slimtune.memory.crash import resubmit_on_crash
+from slimtune.flows.resubmit import resubmit_on_crash
 
 
 def halve_micro_batch(parameters: dict[str, Any]) -> dict[str, Any] | None:

@@ -211,7 +211,7 @@ def test_family_shapes_are_the_released_models(key: str, params: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from benchmarks.common import build_config
-    from slimtune.families import check_architecture
+    from slimtune.models.families import check_architecture
 
     config = build_config(MODEL_SHAPES[key])
     with torch.device("meta"):

@@ -16,8 +16,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 from slimtune.data import IGNORE_INDEX, FieldError, render
-from slimtune.spec import DataSpec
-from slimtune.tiny import build_spm_tokenizer
+from slimtune.models.tiny import build_spm_tokenizer
+from slimtune.spec.schema import DataSpec
 
 SYSTEM = "You are a terse geography tutor."
 TURNS = (

@@ -10,10 +10,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from slimtune.families import FAMILIES as TABLE
-from slimtune.families import lora_target_modules
-from slimtune.family_configs import linear_attention_layers
-from slimtune.tiny import FAMILIES, build_model
+from slimtune.models.families import FAMILIES, lora_target_modules
+from slimtune.models.family_configs import linear_attention_layers
+from slimtune.models.tiny import build_model
 from slimtune.train.step.checkpointing import _enable, enable_checkpointing, parameters_from_lists
 
 _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -61,7 +60,7 @@ def test_lora_grads_equal_across_modes_with_dropout(family: str) -> None:
     ids = _batch()
     ref = _grads_with(model, False, ids)
     # layers x projections x (A, B): layer 0 too, with frozen embeddings (Gemma 3: 6 layers; Phi-3: 4 fused)
-    row = TABLE[family]
+    row = FAMILIES[family]
     layers = row.tiny.get("num_hidden_layers", 4)
     adapted = layers * len(row.lora_targets)
     if row.linear_attention_targets:  # Qwen3.5: the DeltaNet's projections instead of q/k/v/o on its linear layers

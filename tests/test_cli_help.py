@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from slimtune.cli import main
+from slimtune.cli.main import main
 
 
 def test_help_lists_the_subcommands_in_workflow_order(capsys):

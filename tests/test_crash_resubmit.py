@@ -20,7 +20,7 @@ from prefect.states import Crashed
 from prefect.workers.process import ProcessWorker
 from prefect_server import start_server, start_worker
 
-from slimtune.memory.crash import resubmit_on_crash
+from slimtune.flows.resubmit import resubmit_on_crash
 
 _TESTS = Path(__file__).resolve().parent
 _POOL = "crash-pool"

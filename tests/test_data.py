@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from slimtune.data import IGNORE_INDEX, DataError, load_examples
-from slimtune.spec import DataSpec
-from slimtune.tiny import DATA_FILE, ensure_builtin
+from slimtune.models.tiny import DATA_FILE, ensure_builtin
+from slimtune.spec.schema import DataSpec
 
 CHAT = {
     "messages": [

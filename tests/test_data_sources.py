@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from slimtune.data import load_examples
-from slimtune.report import render_markdown
-from slimtune.spec import DataSpec, SpecError, load_spec
-from slimtune.tiny import DATA_FILE, build_tokenizer
+from slimtune.models.tiny import DATA_FILE, build_tokenizer
+from slimtune.report.run_report import render_markdown
+from slimtune.spec.schema import DataSpec, SpecError, load_spec
 
 
 @pytest.fixture(scope="module")

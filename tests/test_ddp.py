@@ -12,9 +12,9 @@ import pytest
 import torch
 from prefect_server import REPO
 
-from slimtune import registry
+from slimtune.core import registry
 from slimtune.flows import ranks
-from slimtune.spec import PipelineSpec, load_spec
+from slimtune.spec.schema import PipelineSpec, load_spec
 
 # Per-step training loss, 2 ranks x micro-batch 2 vs 1 process x micro-batch 4 (same rows per step, the
 # loss normalised by the target tokens of the whole step in both). The runs differ only in fp32 summation
@@ -138,7 +138,7 @@ def test_device_errors_name_the_fix(tmp_path, device, message):
 
 def test_flow_process_loads_no_model_for_ddp(tmp_path):
     from slimtune.flows.stages import attach_lora_task, load_4bit_task
-    from slimtune.run_plan import resolve_plan
+    from slimtune.plan.run_plan import resolve_plan
 
     spec = _spec(tmp_path, "defer", 2)
     plan = resolve_plan(spec)

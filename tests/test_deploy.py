@@ -17,8 +17,8 @@ from pathlib import Path
 import yaml
 from prefect_server import REPO, start_server, start_worker
 
-from slimtune.run_artifacts import progress_key
-from slimtune.spec import STAGES, parse_spec, recheck_paths
+from slimtune.report.artifacts import progress_key
+from slimtune.spec.schema import STAGES, parse_spec, recheck_paths
 
 _POOL, _CPU_POOL = "gpu-hosts", "cpu-hosts"
 _RUN_TIMEOUT_S = 240  # server-side: clone + imports ~30 s, the 4-step tiny pipeline ~90 s on 2 busy cores

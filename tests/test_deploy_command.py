@@ -11,9 +11,9 @@ import json
 import pytest
 from prefect_server import REPO
 
-from slimtune.cli import main
-from slimtune.plan import Budget, job_variables, model_config, plan, pool_needs
-from slimtune.spec import load_spec
+from slimtune.cli.main import main
+from slimtune.plan.fit import Budget, job_variables, model_config, plan, pool_needs
+from slimtune.spec.schema import load_spec
 
 _SPEC = REPO / "deployments" / "tiny.yaml"
 _TEMPLATES = {

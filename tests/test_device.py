@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slimtune.device import ALLOCATOR_SETTINGS, resolve_device
+from slimtune.core.device import ALLOCATOR_SETTINGS, resolve_device
 
 _VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 

@@ -3,7 +3,7 @@
 The README is the first page a user reads and `.ci/run` runs its test command, so it must open with the two
 commands and the "your own model on your GPU" section, and stay short (issue 45: it had grown to 767 lines of
 measurements). Its performance and memory tables are copies of the ones the benchmarks regenerate in docs/,
-so they are checked against those; its family table is checked against `slimtune/families.py`.
+so they are checked against those; its family table is checked against `slimtune/models/families.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slimtune.families import FAMILIES
+from slimtune.models.families import FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

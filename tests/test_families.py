@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slimtune import families
-from slimtune.cli import EXIT_INVALID_SPEC, main
-from slimtune.families import FAMILIES, KERNEL_NAMES, check_architecture, lora_target_modules
-from slimtune.tiny import BUILTIN_PREFIX, build_model, save_tiny
+from slimtune.cli.main import EXIT_INVALID_SPEC, main
+from slimtune.models import families
+from slimtune.models.families import FAMILIES, KERNEL_NAMES, check_architecture, lora_target_modules
+from slimtune.models.tiny import BUILTIN_PREFIX, build_model, save_tiny
 
 PACKAGE = Path(families.__file__).resolve().parent
 MOE_CONFIGS = [
@@ -24,8 +24,8 @@ MOE_CONFIGS = [
 def test_every_consumer_takes_its_families_from_the_table():
     import slimtune.export.gguf_convert as gguf_convert
     import slimtune.kernels.apply as kernels
-    import slimtune.spec as spec
-    import slimtune.tiny as tiny
+    import slimtune.models.tiny as tiny
+    import slimtune.spec.schema as spec
     import slimtune.train.options as options
 
     names = set(FAMILIES)
@@ -157,8 +157,8 @@ def test_estimates_count_fused_targets_as_their_parts():
     ],
 )
 def test_validate_maps_lora_targets_to_fused_projections(tmp_path, targets, problem):
-    from slimtune.checks import spec_problems
-    from slimtune.spec import parse_spec
+    from slimtune.checks.problems import spec_problems
+    from slimtune.spec.schema import parse_spec
 
     model_dir = save_tiny(tmp_path / "phi3", "phi3")
     data = tmp_path / "d.jsonl"  # with a reply: validate refuses data that leaves no token to train on

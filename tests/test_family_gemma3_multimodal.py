@@ -21,21 +21,21 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Mistral3ForConditionalGeneration
 
-from slimtune import registry
-from slimtune.cli import EXIT_INVALID_SPEC, main
+from slimtune.cli.main import EXIT_INVALID_SPEC, main
+from slimtune.core import registry
 from slimtune.data import RowCollator, one_per_row, pack
 from slimtune.data.collator import IGNORE_INDEX
 from slimtune.export import convert_hf_to_gguf, verify_gguf
-from slimtune.families import check_architecture
 from slimtune.merge.nf4 import TRAINING_NF4, quantized_tensor_names
-from slimtune.multimodal import LAYOUTS, checkpoint_names, copied_bytes, text_key, text_model_load_kwargs
-from slimtune.plan import Budget, plan
-from slimtune.spec import DataSpec, ModelSpec, PipelineSpec
+from slimtune.models.families import check_architecture
+from slimtune.models.multimodal import LAYOUTS, checkpoint_names, copied_bytes, text_key, text_model_load_kwargs
+from slimtune.models.tiny import DATA_FILE, ensure_pretrained, save_tiny_multimodal
+from slimtune.plan.fit import Budget, plan
+from slimtune.spec.schema import DataSpec, ModelSpec, PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.load_4bit import load_4bit
 from slimtune.tasks.packed_sft import packed_sft, prepare_data
-from slimtune.tiny import DATA_FILE, ensure_pretrained, save_tiny_multimodal
 from slimtune.train import choose_batching
 
 PROMPTS = [

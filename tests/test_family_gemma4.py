@@ -16,12 +16,12 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from slimtune.cli import main
+from slimtune.cli.main import main
 from slimtune.export import convert_hf_to_gguf
 from slimtune.export.gguf_verify import llama_cpp_logits, load_llama
-from slimtune.families import check_architecture
 from slimtune.memory.estimate import estimate_merge
-from slimtune.tiny import build_model, build_tokenizer, save_tiny
+from slimtune.models.families import check_architecture
+from slimtune.models.tiny import build_model, build_tokenizer, save_tiny
 
 # sliding, global, sliding, global; then two layers reading layer 2's (sliding) and layer 3's (global) KV, with
 # MLPs twice as wide

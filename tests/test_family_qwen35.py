@@ -14,18 +14,18 @@ import pytest
 import torch
 import yaml
 
-from slimtune import registry
-from slimtune.cli import main
+from slimtune.cli.main import main
+from slimtune.core import registry
 from slimtune.data import RowCollator, load_examples, one_per_row, pack
 from slimtune.data.formats import IGNORE_INDEX
 from slimtune.export import convert_hf_to_gguf, verify_gguf
 from slimtune.export.gguf_verify import llama_cpp_logits, load_llama
-from slimtune.families import FAMILIES, check_architecture
 from slimtune.merge import merge_adapter
-from slimtune.spec import DataSpec, ModelSpec, PipelineSpec
+from slimtune.models.families import FAMILIES, check_architecture
+from slimtune.models.tiny import DATA_FILE, build_model, build_tokenizer, ensure_pretrained, save_tiny
+from slimtune.spec.schema import DataSpec, ModelSpec, PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.load_4bit import load_4bit
-from slimtune.tiny import DATA_FILE, build_model, build_tokenizer, ensure_pretrained, save_tiny
 from slimtune.train.options import choose_batching
 
 PATTERN = ["linear_attention"] * 3 + ["full_attention"]
@@ -264,7 +264,7 @@ def test_f32_gguf_matches_transformers(model_dir, tokenizer, tmp_path):
 @pytest.mark.parametrize("out_type, agreement", [("f16", 1.0), ("q8_0", 0.98)])
 def test_f16_and_q8_0_gguf_in_llama_cpp(out_type, agreement, tmp_path):
     pytest.importorskip("llama_cpp")
-    model_dir = ensure_pretrained("qwen3_5_text")  # peaked logits: slimtune.tiny.pretrain says why
+    model_dir = ensure_pretrained("qwen3_5_text")  # peaked logits: slimtune.models.tiny.pretrain says why
     [path] = convert_hf_to_gguf(model_dir, tmp_path / f"q-{out_type}.gguf", out_type)
     report = verify_gguf(path, model_dir, PROMPTS)
     assert report["token_ids_equal"], report
@@ -277,7 +277,7 @@ def test_flow_evaluates_trains_packed_merges_and_exports(prefect_harness, tmp_pa
     GGUF verified in llama.cpp against the merged model (the flow's own check)."""
     pytest.importorskip("llama_cpp")
     from slimtune.flows import finetune
-    from slimtune.spec import load_spec
+    from slimtune.spec.schema import load_spec
 
     spec = load_spec(DATA_FILE.parent.parent / "tiny.yaml")
     spec.model.name_or_path = "builtin:tiny-qwen3_5_text"

@@ -12,10 +12,10 @@ import pytest
 import torch
 import yaml
 
-from slimtune.cli import EXIT_INVALID_SPEC, main
-from slimtune.families import check_architecture
+from slimtune.cli.main import EXIT_INVALID_SPEC, main
 from slimtune.kernels import apply_kernels
-from slimtune.tiny import build_model, save_tiny
+from slimtune.models.families import check_architecture
+from slimtune.models.tiny import build_model, save_tiny
 
 
 def _config(**overrides) -> dict:

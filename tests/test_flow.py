@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimtune import registry
-from slimtune.spec import load_spec
+from slimtune.core import registry
+from slimtune.spec.schema import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ["load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push"]
@@ -43,7 +43,7 @@ def finished_run(prefect_harness, tmp_path_factory):
 @contextlib.contextmanager
 def _counting_resolvers():
     """Count calls of the model-folder resolvers wherever slimtune imported them (by name or through the module)."""
-    from slimtune import model_source
+    from slimtune.models import source as model_source
 
     calls: collections.Counter = collections.Counter()
     originals = {name: getattr(model_source, name) for name in _RESOLVERS}
@@ -86,7 +86,7 @@ def test_outputs_load_in_real_consumers(finished_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from slimtune.model_source import local_model_dir
+    from slimtune.models.source import local_model_dir
 
     spec, state, _ = finished_run
     run = spec.run_dir()
@@ -123,7 +123,7 @@ def test_cleanup_frees_the_live_model_inside_a_running_flow(prefect_harness, tmp
     from prefect import flow
 
     from slimtune.flows.stages import attach_lora_task, cleanup_task, load_4bit_task
-    from slimtune.run_plan import resolve_plan
+    from slimtune.plan.run_plan import resolve_plan
     from slimtune.tasks.cleanup import MemorySnapshot
 
     spec = _tiny_spec(tmp_path)
@@ -147,7 +147,7 @@ def test_cleanup_frees_the_live_model_inside_a_running_flow(prefect_harness, tmp
 
 def test_cli_validate_and_bad_spec_exit_codes(tmp_path):
     ok = subprocess.run(
-        [sys.executable, "-m", "slimtune.cli", "validate", str(ROOT / "deployments" / "tiny.yaml")],
+        [sys.executable, "-m", "slimtune.cli.main", "validate", str(ROOT / "deployments" / "tiny.yaml")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -156,7 +156,7 @@ def test_cli_validate_and_bad_spec_exit_codes(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("lora:\n  r: 0\n")
     res = subprocess.run(
-        [sys.executable, "-m", "slimtune.cli", "run", str(bad)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "slimtune.cli.main", "run", str(bad)], capture_output=True, text=True, timeout=120
     )
     assert res.returncode == 2
     assert "lora.r: got 0" in res.stderr

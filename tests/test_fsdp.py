@@ -12,9 +12,9 @@ import pytest
 import torch
 from prefect_server import REPO
 
-from slimtune import registry
-from slimtune.families import FAMILIES
-from slimtune.spec import SpecError, load_spec, parse_spec
+from slimtune.core import registry
+from slimtune.models.families import FAMILIES
+from slimtune.spec.schema import SpecError, load_spec, parse_spec
 
 # Qwen2.5-14B's shape: its NF4 weights (~9.7 GB with bf16 embeddings) plus a 4 x 2048 step do not fit 12 GiB.
 QWEN_14B = {
@@ -63,7 +63,7 @@ def test_fsdp_stores_nf4_in_the_compute_dtype_with_the_same_bytes(tmp_path):
 
 
 def test_trainer_arguments_set_up_fsdp1_with_flat_parameters_and_no_checkpoints(tmp_path):
-    from slimtune.spec import TrainSpec
+    from slimtune.spec.schema import TrainSpec
     from slimtune.train.arguments import training_arguments
 
     args = training_arguments(
@@ -103,8 +103,8 @@ def test_the_guard_estimates_fsdp_per_rank(tmp_path):
     Through the stage's own estimate, both with the kernels an FSDP rank keeps (it leaves lora_nf4 and
     host_embedding out; with them, and "unsloth" checkpointing, one GPU fits this step in 9.97 GiB).
     """
-    from slimtune.plan import train_estimate
-    from slimtune.train_settings import FSDP_EXCLUDED_KERNELS
+    from slimtune.plan.fit import train_estimate
+    from slimtune.plan.train_settings import FSDP_EXCLUDED_KERNELS
 
     def estimate(num_gpus: int, parallelism: str, checkpointing: bool | str = True):
         spec = _spec(tmp_path, parallelism)
@@ -140,8 +140,8 @@ def test_fsdp_rank_beats_the_best_single_gpu_where_the_tables_are_small(tmp_path
     slimtune's best settings does not fit 8.4 GiB, an FSDP rank does, each by at least 0.4 GiB. With Qwen's 152k
     vocabulary the tables FSDP1 keeps gathered outweigh the sharded layers: the rank does not win there."""
     from benchmarks.common import MODEL_SHAPES
-    from slimtune.plan import train_estimate
-    from slimtune.train_settings import FSDP_EXCLUDED_KERNELS
+    from slimtune.plan.fit import train_estimate
+    from slimtune.plan.train_settings import FSDP_EXCLUDED_KERNELS
 
     def allocator(cfg: dict, num_gpus: int, checkpointing: bool | str, kernels: list[str]) -> float:
         spec = _spec(tmp_path, "fsdp")
@@ -232,8 +232,8 @@ def test_fsdp_refusals_name_the_fix(tmp_path):
 
 def test_fsdp_ranks_leave_out_what_fsdp1_cannot_train_through():
     """Kernels that read weights outside their FSDP unit, and "unsloth" checkpointing (stale parameters)."""
-    from slimtune.spec import TrainSpec
-    from slimtune.train_settings import excluded_kernels, rank_checkpointing
+    from slimtune.plan.train_settings import excluded_kernels, rank_checkpointing
+    from slimtune.spec.schema import TrainSpec
 
     fsdp, ddp, one = TrainSpec(num_gpus=2, parallelism="fsdp"), TrainSpec(num_gpus=2), TrainSpec()
     assert set(excluded_kernels(fsdp)) == {"lora_nf4", "host_embedding"}
@@ -266,7 +266,7 @@ def test_ddp_bench_fsdp_mode_on_the_cpu_checks_the_estimates_and_runs_the_single
     import json
 
     from benchmarks import ddp_bench
-    from slimtune.tiny import ensure_builtin
+    from slimtune.models.tiny import ensure_builtin
 
     monkeypatch.setenv("DDP_BENCH_WORK", str(tmp_path / "work"))
     out = tmp_path / "out"
@@ -288,7 +288,7 @@ def test_ddp_bench_fsdp_mode_on_the_cpu_checks_the_estimates_and_runs_the_single
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_rope_stays_float32_where_fsdp_casts_buffers(family):
     """FSDP1 casts registered buffers to bf16 at the first forward; RoPE's inv_freq must not follow."""
-    from slimtune.tiny import build_model
+    from slimtune.models.tiny import build_model
     from slimtune.train.step.fp32_rope import keep_rope_fp32
 
     model = build_model(family, vocab_size=256).eval()

@@ -15,8 +15,8 @@ import torch
 
 from slimtune.export import convert_hf_to_gguf
 from slimtune.export.gguf_adapter import adapter_alpha, convert_adapter_to_gguf, verify_adapter_gguf
+from slimtune.models.tiny import build_model, build_tokenizer
 from slimtune.tasks.gguf_convert_and_push import VERIFY_PROMPTS
-from slimtune.tiny import build_model, build_tokenizer
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -24,8 +24,8 @@ from slimtune.export.llama_cpp_tokenizer import (
     spm_scores,
     spm_space_prefix,
 )
-from slimtune.families import FAMILIES as TABLE
-from slimtune.tiny import BUILTIN_PREFIX, FAMILIES, build_spm_tokenizer, ensure_builtin
+from slimtune.models.families import FAMILIES
+from slimtune.models.tiny import BUILTIN_PREFIX, build_spm_tokenizer, ensure_builtin
 
 Q = gguf.GGMLQuantizationType
 
@@ -69,7 +69,7 @@ def _deltanet_expected(key: str, w: np.ndarray, cfg: dict) -> tuple[str, np.ndar
 def _expected_gguf_tensors(model_dir: Path, family: str) -> dict[str, np.ndarray]:
     """HF tensors under their GGUF names, with the layout changes llama.cpp needs applied independently."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    row = TABLE[family]
+    row = FAMILIES[family]
     name_map = gguf.get_tensor_name_map(row.gguf_arch, cfg["num_hidden_layers"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     out = {}

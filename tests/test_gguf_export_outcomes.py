@@ -14,10 +14,10 @@ from pathlib import Path
 import gguf
 import pytest
 
-from slimtune.report import write_run_report
-from slimtune.spec import parse_spec
+from slimtune.models.tiny import build_model, build_tokenizer, ensure_builtin
+from slimtune.report.run_report import write_run_report
+from slimtune.spec.schema import parse_spec
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
-from slimtune.tiny import build_model, build_tokenizer, ensure_builtin
 
 _HUB_ID = "acme/tiny-llama-lowercase"
 # A template no Go template of the Modelfile reproduces: the report must say the Modelfile has no TEMPLATE
@@ -60,7 +60,7 @@ def _spec_file(tmp_path: Path, model: str, export: str = "{gguf: [f16, q8_0]}") 
 
 def _slimtune(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "slimtune.cli", *args], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-m", "slimtune.cli.main", *args], capture_output=True, text=True, timeout=300, env=env
     )
 
 

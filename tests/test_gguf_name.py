@@ -7,9 +7,9 @@ import shutil
 
 import gguf
 
-from slimtune.spec import PipelineSpec
+from slimtune.models.tiny import BUILTIN_PREFIX, ensure_builtin
+from slimtune.spec.schema import PipelineSpec
 from slimtune.tasks.gguf_convert_and_push import _convert
-from slimtune.tiny import BUILTIN_PREFIX, ensure_builtin
 
 
 def test_every_gguf_is_named_after_the_run(tmp_path):

@@ -14,10 +14,9 @@ import torch
 from slimtune.export import GGUFVerifyError, convert_hf_to_gguf, gguf_quantize, quantize_gguf, verify_gguf
 from slimtune.export.gguf_verify import compare_logits, llama_cpp_logits, llama_cpp_tokenize, load_llama
 from slimtune.export.llama_cpp_tokenizer import _LLAMA3_REGEX, _QWEN2_REGEX
-from slimtune.families import FAMILIES as TABLE
-from slimtune.tiny import (
+from slimtune.models.families import FAMILIES
+from slimtune.models.tiny import (
     BUILTIN_PREFIX,
-    FAMILIES,
     SPM_STYLES,
     build_model,
     build_spm_tokenizer,
@@ -89,7 +88,7 @@ def _f32_tolerance(family: str) -> float:
     # heads whole measured 0.24
     if family == "gemma4_text":
         return 0.05
-    return 1e-3 if "gelu" in str(TABLE[family].tiny.get("hidden_activation")) else 1e-4
+    return 1e-3 if "gelu" in str(FAMILIES[family].tiny.get("hidden_activation")) else 1e-4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -117,7 +116,7 @@ CASES = [*FAMILIES, "llama-2"]
 
 
 def _pretrained(case: str) -> Path:
-    """The case's tiny model after a few optimizer steps (slimtune.tiny.pretrain says why), cached on disk."""
+    """The case's tiny model after a few optimizer steps (slimtune.models.tiny.pretrain says why), cached on disk."""
     family, style = ("llama", "llama2") if case == "llama-2" else (case, _SPM_STYLE.get(case, "bpe"))
     return ensure_pretrained(family, style)
 
@@ -249,7 +248,7 @@ def _hf_with_gguf_weights(model_dir: Path, path: Path, family: str):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     cfg = model.config
-    row = TABLE[family]
+    row = FAMILIES[family]
     name_map = gguf.get_tensor_name_map(row.gguf_arch, cfg.num_hidden_layers)
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     state = {}
@@ -322,7 +321,7 @@ def test_split_regex_tokenizers_map_to_identical_llama_cpp_pre(llama_cpp, tmp_pa
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from slimtune.tiny import SPECIAL_TOKENS, _corpus
+    from slimtune.models.tiny import SPECIAL_TOKENS, _corpus
 
     tok = Tokenizer(models.BPE(ignore_merges=ignore_merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence(

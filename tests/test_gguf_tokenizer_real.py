@@ -204,7 +204,7 @@ def _checkpoint(name: str, dest: Path) -> Path:
     """A tiny model of the vocabulary's family with the tokenizer files its Hub checkpoint would have."""
     from transformers import AutoTokenizer
 
-    from slimtune.tiny import build_model
+    from slimtune.models.tiny import build_model
 
     path, _, _ = vocab(name)
     if name in _BYTE_LEVEL:
@@ -253,7 +253,7 @@ def test_probe_hash_names_the_pre_tokenizer_of_an_unknown_shape():
 def test_validate_refuses_an_inexact_tokenizer_before_any_model_loads(tmp_path):
     """A Llama 3 tokenizer.json that lost ignore_merges with a regex llama.cpp has no twin for: validate exits 2
     naming the choices, before any model loads."""
-    from slimtune.tiny import build_tokenizer
+    from slimtune.models.tiny import build_tokenizer
 
     model_dir = tmp_path / "m"
     tokenizer = build_tokenizer()
@@ -261,7 +261,7 @@ def test_validate_refuses_an_inexact_tokenizer_before_any_model_loads(tmp_path):
     tj = json.loads((model_dir / "tokenizer.json").read_text())
     tj["normalizer"] = {"type": "Lowercase"}  # llama.cpp lower-cases nothing
     (model_dir / "tokenizer.json").write_text(json.dumps(tj))
-    from slimtune.tiny import build_model
+    from slimtune.models.tiny import build_model
 
     # with its weights: validate refuses a folder without them (it reads only their headers, loads nothing)
     build_model("llama", len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1).save_pretrained(
@@ -275,13 +275,13 @@ def test_validate_refuses_an_inexact_tokenizer_before_any_model_loads(tmp_path):
         f"output_dir: {tmp_path / 'out'}\nexport: {{gguf: [f16, q8_0]}}\n"
     )
     done = subprocess.run(
-        [sys.executable, "-m", "slimtune.cli", "validate", str(spec)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "slimtune.cli.main", "validate", str(spec)], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 2, done.stderr
     assert "export.gguf" in done.stderr and "identical ids" in done.stderr
     assert "export.gguf_tokenizer: as_is" in done.stderr and "Lowercase" in done.stderr
     as_is = subprocess.run(
-        [sys.executable, "-m", "slimtune.cli", "validate", str(spec), "--set", "export.gguf_tokenizer=as_is"],
+        [sys.executable, "-m", "slimtune.cli.main", "validate", str(spec), "--set", "export.gguf_tokenizer=as_is"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -293,7 +293,7 @@ def test_as_is_writes_the_closest_vocabulary_and_measures_the_mismatch(tmp_path)
     """export.gguf_tokenizer: as_is converts what exact refuses, and the check the report records says why and how
     often llama.cpp's ids differ."""
     from slimtune.export.gguf_tokenizer_check import check_tokenizer_export
-    from slimtune.tiny import build_model, build_tokenizer
+    from slimtune.models.tiny import build_model, build_tokenizer
 
     model_dir = tmp_path / "m"
     tokenizer = build_tokenizer()
@@ -334,7 +334,7 @@ def runs(tmp_path_factory, request) -> dict[str, tuple[subprocess.CompletedProce
             "train: {micro_batch_size: 2, max_steps: 2, save_steps: 2, seed: 0}\n"
             "export: {gguf: [f16, q8_0]}\n"
         )
-        cmd = [sys.executable, "-m", "slimtune.cli", "run", str(spec)]
+        cmd = [sys.executable, "-m", "slimtune.cli.main", "run", str(spec)]
         started[name] = subprocess.Popen(cmd, env=server.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = {}
     for name, proc in started.items():

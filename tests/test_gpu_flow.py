@@ -29,7 +29,7 @@ _1B = dict(
 def _model_dir(root: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from slimtune.tiny import build_tokenizer
+    from slimtune.models.tiny import build_tokenizer
 
     tok = build_tokenizer()
     cfg = LlamaConfig(**_1B, vocab_size=128256, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
@@ -56,7 +56,7 @@ def _data(root: Path) -> Path:
 
 def test_flow_recovers_from_oom_and_cleanup_returns_memory(prefect_harness, tmp_path):
     from slimtune.flows import finetune
-    from slimtune.spec import parse_spec
+    from slimtune.spec.schema import parse_spec
 
     torch.cuda.init()
     baseline = torch.cuda.memory_allocated()
@@ -105,7 +105,7 @@ def test_flow_trains_through_cuda_graphs_within_its_budget_and_cleanup_frees_the
     """The defaults ("unsloth" checkpointing, train.cuda_graphs) under a memory budget: the layers' backward runs
     as graphs, reserved memory stays within the budget, and after cleanup the graphs' pool is gone too."""
     from slimtune.flows import finetune
-    from slimtune.spec import parse_spec
+    from slimtune.spec.schema import parse_spec
 
     torch.cuda.init()
     baseline = torch.cuda.memory_allocated()

@@ -8,10 +8,10 @@ import sys
 import pytest
 import yaml
 
-from slimtune.scaffold import ScaffoldError, scaffold_spec
-from slimtune.sizes import parse_size
-from slimtune.spec import load_spec
-from slimtune.tiny import DATA_FILE, ensure_builtin, save_tiny
+from slimtune.cli.scaffold import ScaffoldError, scaffold_spec
+from slimtune.cli.sizes import parse_size
+from slimtune.models.tiny import DATA_FILE, ensure_builtin, save_tiny
+from slimtune.spec.schema import load_spec
 
 MODEL = "builtin:tiny-llama"
 
@@ -35,7 +35,7 @@ def test_max_seq_length_covers_the_data(tmp_path):
     from transformers import AutoTokenizer
 
     from slimtune.data import load_examples
-    from slimtune.spec import DataSpec
+    from slimtune.spec.schema import DataSpec
 
     spec = yaml.safe_load(scaffold_spec(MODEL, str(DATA_FILE)))
     seq = spec["data"]["max_seq_length"]
@@ -57,7 +57,7 @@ def test_more_gpu_memory_never_proposes_a_smaller_micro_batch(tmp_path):
 
 def test_init_proposes_the_largest_micro_batch_plan_reports(tmp_path, capsys):
     """init, `slimtune plan` and `micro_batch_size: auto` share one fitting rule, so they cannot disagree."""
-    from slimtune.cli import main
+    from slimtune.cli.main import main
 
     # An 8B-shaped config.json with the tiny tokenizer: init and plan read no weights, and at this size
     # the budgets below give different answers (the tiny model fits 16 rows in any budget that fits 1).
@@ -108,7 +108,7 @@ def test_chat_data_on_a_tokenizer_without_template_is_refused(tmp_path):
 
 def test_cli_init_writes_the_spec_to_stdout_and_bad_input_exits_2(tmp_path):
     ok = subprocess.run(
-        [sys.executable, "-m", "slimtune.cli", "init", "--model", MODEL, "--data", str(DATA_FILE)],
+        [sys.executable, "-m", "slimtune.cli.main", "init", "--model", MODEL, "--data", str(DATA_FILE)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -122,15 +122,18 @@ def test_cli_init_writes_the_spec_to_stdout_and_bad_input_exits_2(tmp_path):
     ):
         model = [] if "--model" in args else ["--model", MODEL]
         bad = subprocess.run(
-            [sys.executable, "-m", "slimtune.cli", "init", *model, *args], capture_output=True, text=True, timeout=300
+            [sys.executable, "-m", "slimtune.cli.main", "init", *model, *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert bad.returncode == 2 and f"slimtune: error: ScaffoldError: {field}" in bad.stderr, bad.stderr
-    # A size is checked by argparse with the planner's rule (slimtune.sizes), before anything is read.
+    # A size is checked by argparse with the planner's rule (slimtune.cli.sizes), before anything is read.
     bad = subprocess.run(
         [
             sys.executable,
             "-m",
-            "slimtune.cli",
+            "slimtune.cli.main",
             "init",
             "--model",
             MODEL,

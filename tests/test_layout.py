@@ -32,7 +32,7 @@ def test_kernels_resolves_outside_the_checkout():
 # STYLE.md: modules under ~500 lines, split by concern; the spec (one model per stage, a docstring on every field)
 # is the one exception.
 _MAX_LINES = 500
-_LONG_ALLOWED = {"slimtune/spec.py"}
+_LONG_ALLOWED = {"slimtune/spec/schema.py"}
 
 
 def test_no_module_exceeds_500_lines_except_the_spec():

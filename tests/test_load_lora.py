@@ -7,14 +7,14 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from slimtune import registry
-from slimtune.families import FAMILIES as TABLE
-from slimtune.family_configs import linear_attention_layers
-from slimtune.model_source import ModelSourceError, check_model_dir
-from slimtune.spec import ModelSpec, PipelineSpec
+from slimtune.core import registry
+from slimtune.models.families import FAMILIES
+from slimtune.models.family_configs import linear_attention_layers
+from slimtune.models.source import ModelSourceError, check_model_dir
+from slimtune.models.tiny import save_tiny
+from slimtune.spec.schema import ModelSpec, PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.load_4bit import load_4bit
-from slimtune.tiny import FAMILIES, save_tiny
 
 
 @pytest.fixture(autouse=True)
@@ -38,18 +38,18 @@ def test_family_loads_in_nf4_and_trains(family, tmp_path):
     loaded = load_4bit(spec)
     model = registry.get(loaded.handle)
     linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    per_layer = len(TABLE[family].lora_targets)  # 7 projections, 4 where q/k/v and gate/up are fused (phi3)
-    per_layer += len(TABLE[family].frozen_linears)  # Gemma 4's per-layer input gate and projection
+    per_layer = len(FAMILIES[family].lora_targets)  # 7 projections, 4 where q/k/v and gate/up are fused (phi3)
+    per_layer += len(FAMILIES[family].frozen_linears)  # Gemma 4's per-layer input gate and projection
     model_level = family == "gemma4_text"  # Gemma 4's per-layer input projection
     n_linears = per_layer * model.config.num_hidden_layers + model_level
-    if deltanet := TABLE[family].linear_attention_targets:  # Qwen3.5: its projections instead of q/k/v/o there
+    if deltanet := FAMILIES[family].linear_attention_targets:  # Qwen3.5: its projections instead of q/k/v/o there
         linear = sum(linear_attention_layers(model.config.to_dict()))
         n_linears -= (model.config.num_hidden_layers - linear) * len(deltanet) + linear * 4
     assert loaded.linear_4bit == len(linears) == n_linears  # lm_head stays 16-bit
     assert linears[0].weight.quant_state.nested  # double quantization
     assert linears[0].weight.quant_type == "nf4"
     lora = attach_lora(spec, loaded.handle)
-    assert lora.target_modules == sorted(TABLE[family].lora_targets)  # the spec's default names, in the family's
+    assert lora.target_modules == sorted(FAMILIES[family].lora_targets)  # the spec's default names, in the family's
     peft_model = registry.get(lora.handle)
     assert lora.trainable_parameters == sum(p.numel() for p in peft_model.parameters() if p.requires_grad) > 0
     assert all("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
@@ -194,4 +194,4 @@ def test_a_retry_after_out_of_memory_attaches_one_adapter(tmp_path, monkeypatch,
     peft_model = registry.get(lora.handle)
     assert list(peft_model.peft_config) == ["default"]
     lora_a = [n for n, _ in peft_model.named_modules() if n.endswith("lora_A.default")]
-    assert len(lora_a) == len(TABLE["llama"].lora_targets) * peft_model.config.num_hidden_layers
+    assert len(lora_a) == len(FAMILIES["llama"].lora_targets) * peft_model.config.num_hidden_layers

@@ -16,7 +16,8 @@ from slimtune.memory.estimate import (
     estimate_merge,
     estimate_train,
 )
-from slimtune.tiny import FAMILIES, build_model, save_tiny
+from slimtune.models.families import FAMILIES
+from slimtune.models.tiny import build_model, save_tiny
 
 _GIB = 1024**3
 

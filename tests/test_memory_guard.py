@@ -30,9 +30,9 @@ from slimtune.memory.downshift import (
 from slimtune.memory.errors import MemoryPressure, PreflightError, classify, memory_state
 from slimtune.memory.estimate import Estimate
 from slimtune.memory.guard import GuardRecord, guarded, max_memory_with_headroom, preflight
-from slimtune.memory.report import artifact_key, publish_memory_report, publish_task_report
 from slimtune.memory.sampler import PeakSampler
-from slimtune.report import render_memory_markdown
+from slimtune.report.memory_report import artifact_key, publish_memory_report, publish_task_report
+from slimtune.report.run_report import render_memory_markdown
 
 _GIB = 1024**3
 _MIB = 1024**2
@@ -274,7 +274,7 @@ def test_cleanup_names_what_still_holds_a_released_model(monkeypatch):
     (as a Trainer's callbacks reference it): cleanup reports the chain; without the holder, no survivor."""
     import types
 
-    from slimtune import registry
+    from slimtune.core import registry
     from slimtune.tasks.cleanup import MemorySnapshot, cleanup
 
     holder = types.ModuleType("leaky_globals")

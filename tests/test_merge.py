@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slimtune.families import FAMILIES as TABLE
-from slimtune.family_configs import linear_attention_layers
 from slimtune.merge import AdapterMismatchError, AlreadyMergedError, DiskSpaceError, merge_adapter, safetensors_io
 from slimtune.merge.nf4 import QuantSpec, quantized_tensor_names, roundtrip
-from slimtune.tiny import FAMILIES, build_model, build_tokenizer
+from slimtune.models.families import FAMILIES
+from slimtune.models.family_configs import linear_attention_layers
+from slimtune.models.tiny import build_model, build_tokenizer
 
 SMALL_SHARDS = 3_000_000  # the tiny fp32 models are ~11 MB: four shards, so shard boundaries are exercised
 
@@ -34,7 +34,7 @@ def _nf4_config():
 def _linears(family: str) -> int:
     """Linears of the tiny model (7 a layer; 4 in Phi-3, whose q/k/v and gate/up are fused; Qwen3.5's linear-
     attention layers have their DeltaNet projections instead of q/k/v/o), all adapted."""
-    row = TABLE[family]
+    row = FAMILIES[family]
     layers = row.tiny.get("num_hidden_layers", 4)
     linear = sum(linear_attention_layers({"num_hidden_layers": layers})) if row.linear_attention_targets else 0
     attention = len(row.lora_targets) - len(row.linear_attention_targets)  # q/k/v/o and the MLP
@@ -47,7 +47,7 @@ def _save_adapter(base: Path, out: Path, seed: int, **lora) -> Path:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    targets = list(TABLE[model.config.model_type].lora_targets)
+    targets = list(FAMILIES[model.config.model_type].lora_targets)
     peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, **lora))
     g = torch.Generator().manual_seed(seed)
     for name, p in peft_model.named_parameters():
@@ -180,7 +180,7 @@ def test_nf4_roundtrip_matches_what_from_pretrained_holds(models, nf4_models, fa
     stored = load_file(base / "model.safetensors")
     linears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     # Gemma 4's per-layer input gate and projection and its model-level per-layer input projection are NF4 too
-    frozen = len(TABLE[family].frozen_linears) * TABLE[family].tiny.get("num_hidden_layers", 4)
+    frozen = len(FAMILIES[family].frozen_linears) * FAMILIES[family].tiny.get("num_hidden_layers", 4)
     frozen += family == "gemma4_text"
     assert quantized_tensor_names(base, QuantSpec()) == set(linears) and len(linears) == _linears(family) + frozen
     for name, module in linears.items():
@@ -259,7 +259,7 @@ def test_host_budget_spills_and_output_is_byte_identical(models, tmp_path):
 
 
 def test_disk_preflight_fails_before_writing(models, tmp_path, monkeypatch):
-    from slimtune.merge import plan
+    from slimtune.merge import budgets as plan
 
     base, adapter = models["llama"]
     out = tmp_path / "new" / "out"
@@ -409,7 +409,7 @@ def test_gpu_merge_matches_cpu_merge(models, tmp_path):
 
 def test_budget_fraction_and_foreign_out_dir_are_refused(models, tmp_path):
     from slimtune.merge import MergeError
-    from slimtune.merge.plan import resolve_budgets
+    from slimtune.merge.budgets import resolve_budgets
 
     with pytest.raises(ValueError, match=r"merge\.maximum_memory_usage=0\.99: must be in \(0, 0\.95\]"):
         resolve_budgets(0.99, "cpu", None, None)

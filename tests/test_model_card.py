@@ -12,7 +12,7 @@ from huggingface_hub import ModelCard
 
 from slimtune.export.chat_formats import FORMATS
 from slimtune.export.model_card import base_license, render_adapter_card, render_model_card, render_modelfile
-from slimtune.tiny import CHAT_TEMPLATE
+from slimtune.models.tiny import CHAT_TEMPLATE
 
 # The families' Hugging Face chat templates as their tokenizer_config.json ships them (Meta-Llama-3-8B-Instruct,
 # gemma-2-2b-it, Mistral-7B-Instruct-v0.2, Phi-3-mini-4k-instruct; ChatML is the tiny models' own).
@@ -188,7 +188,7 @@ def test_adapter_folder_gets_its_card_and_the_hub_id_of_its_base(tmp_path):
 def test_cards_carry_the_training_hyperparameters_as_trained(tmp_path):
     """As Trainer's and Axolotl's cards do: the batch figures are the ones training ran with (an out-of-memory
     retry halved the micro-batch and doubled accumulation here), not the spec's."""
-    from slimtune.spec import PipelineSpec
+    from slimtune.spec.schema import PipelineSpec
     from slimtune.tasks.gguf_convert_and_push import card_hyperparameters
 
     spec = PipelineSpec.model_validate(

@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slimtune.checks import meta_model
-from slimtune.model_files_check import weight_file_problems
-from slimtune.spec import ModelSpec
-from slimtune.tiny import FAMILIES, build_model
+from slimtune.checks.model_files import weight_file_problems
+from slimtune.checks.problems import meta_model
+from slimtune.models.families import FAMILIES
+from slimtune.models.tiny import build_model
+from slimtune.spec.schema import ModelSpec
 
 
 def _problems(model_dir: Path) -> list[str]:

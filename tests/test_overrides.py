@@ -9,15 +9,17 @@ import pytest
 import yaml
 
 from slimtune import __version__
-from slimtune.overrides import apply_overrides, effective_yaml
-from slimtune.spec import SpecError, load_spec
+from slimtune.spec.overrides import apply_overrides, effective_yaml
+from slimtune.spec.schema import SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "deployments" / "tiny.yaml"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "slimtune.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "slimtune.cli.main", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_overrides_set_nested_values_parsed_as_yaml():
@@ -96,7 +98,7 @@ def test_cli_unknown_override_exits_2_naming_it():
 
 
 def test_plan_takes_set_overrides_like_run_and_validate(capsys):
-    from slimtune.cli import main
+    from slimtune.cli.main import main
 
     args = ["plan", str(TINY), "--gpu-memory", "16GiB", "--host-memory", "64GiB"]
     assert main(args) == 0

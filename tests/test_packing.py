@@ -19,9 +19,9 @@ from slimtune.data import (
     packing_efficiency,
     padded_efficiency,
 )
-from slimtune.families import FAMILIES as TABLE
-from slimtune.spec import DataSpec
-from slimtune.tiny import DATA_FILE, FAMILIES, build_model, ensure_builtin
+from slimtune.models.families import FAMILIES
+from slimtune.models.tiny import DATA_FILE, build_model, ensure_builtin
+from slimtune.spec.schema import DataSpec
 from slimtune.train import ISOLATING_MODEL_TYPES, choose_batching
 from slimtune.train.step.attention import VARLEN, prefer_varlen, register
 
@@ -123,7 +123,7 @@ def _loss_sum_and_count(model, batch) -> tuple[float, int]:
 
 
 @pytest.mark.parametrize(
-    "family, attn", [(f, "sdpa" if TABLE[f].sdpa else "eager") for f in FAMILIES] + [("llama", "eager")]
+    "family, attn", [(f, "sdpa" if FAMILIES[f].sdpa else "eager") for f in FAMILIES] + [("llama", "eager")]
 )
 def test_packed_loss_equals_token_weighted_mean_of_example_losses(family, attn, tokenizer, chat_examples):
     assert family in ISOLATING_MODEL_TYPES

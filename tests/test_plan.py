@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from model_configs import LLAMA_8B
 
-from slimtune.plan import Budget, auto_micro_batch, micro_batch_candidates, plan, render
-from slimtune.sizes import parse_size
-from slimtune.spec import parse_spec
+from slimtune.cli.sizes import parse_size
+from slimtune.plan.fit import Budget, auto_micro_batch, micro_batch_candidates, plan, render
+from slimtune.spec.schema import parse_spec
 
 _GIB = 1024**3
 DATA = Path(__file__).resolve().parent.parent / "deployments" / "data" / "tiny_chat.jsonl"
@@ -89,7 +89,7 @@ def test_micro_batch_size_accepts_1_to_4096_or_auto(tmp_path, bad):
 def test_cli_plan_prints_every_stage_and_exits_1_when_something_does_not_fit(tmp_path, capsys):
     import yaml
 
-    from slimtune.cli import main
+    from slimtune.cli.main import main
 
     spec = _spec(tmp_path)
     path = tmp_path / "spec.yaml"
@@ -127,7 +127,7 @@ def test_cli_plan_of_a_cpu_spec_prints_no_gpu_figures(tmp_path, capsys):
     """A CPU run uses no GPU memory: no GPU rows, budget or limits, even with --gpu-memory or a GPU present."""
     import yaml
 
-    from slimtune.cli import main
+    from slimtune.cli.main import main
 
     spec = _spec(tmp_path)
     spec.model.device = "cpu"

@@ -1,7 +1,7 @@
 """What each pool needs (`slimtune plan`), and the base job templates rendered with it.
 
 The Kubernetes template is rendered as Prefect renders a work pool's template (the variables' defaults, then the
-job variables a run gets from `slimtune.plan.job_variables`), with the two conversions Prefect's Kubernetes
+job variables a run gets from `slimtune.plan.fit.job_variables`), with the two conversions Prefect's Kubernetes
 worker applies before it creates the Job (`env` as a list of name/value pairs, `command` split into `args`), and
 checked against the Kubernetes v1.34 batch/v1 Job schema in strict mode (no unknown fields).
 `k8s_job_v1.34_strict.json` is that schema from kubernetes-validate 1.37.0 (PyPI; its wheel is 22 MB, so only
@@ -19,8 +19,8 @@ import jsonschema
 import pytest
 from prefect.utilities.templating import apply_values
 
-from slimtune.plan import GPU_MEMORY_LABEL, Budget, job_variables, model_config, plan, pool_needs, render
-from slimtune.spec import PipelineSpec
+from slimtune.plan.fit import GPU_MEMORY_LABEL, Budget, job_variables, model_config, plan, pool_needs, render
+from slimtune.spec.schema import PipelineSpec
 
 _REPO = Path(__file__).resolve().parent.parent
 _GIB = 1024**3

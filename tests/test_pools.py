@@ -19,8 +19,8 @@ from pathlib import Path
 from checkout_deploy import shipped_spec
 from prefect_server import REPO, start_server, start_worker
 
-from slimtune.plan import Budget, job_variables, model_config, plan, pool_needs
-from slimtune.spec import PipelineSpec
+from slimtune.plan.fit import Budget, job_variables, model_config, plan, pool_needs
+from slimtune.spec.schema import PipelineSpec
 
 _GPU_STAGE, _CPU_STAGE = "gpu-stage", "cpu-stage"
 _RUN_TIMEOUT_S = 900  # 4 steps, a merge and one GGUF: ~2-3 min on 2 idle cores, much longer while others run

@@ -16,7 +16,7 @@ from hub_server import FakeHub
 
 from slimtune.export.model_card import render_model_card, render_modelfile
 from slimtune.export.push import PushError, PushResult, push_folder, resolve_token
-from slimtune.tiny import CHAT_TEMPLATE
+from slimtune.models.tiny import CHAT_TEMPLATE
 
 TOKEN = "hf_SlimtuneFakeToken0123456789abcdefXYZ"
 REPO = "someone/tiny-chat-gguf"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slimtune.report import done_line, render_markdown
+from slimtune.report.run_report import done_line, render_markdown
 
 _GIB = 1024**3
 

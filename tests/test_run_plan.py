@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from slimtune.run_plan import RunPlan, plan_for, resolve_plan
-from slimtune.spec import load_spec
+from slimtune.plan.run_plan import RunPlan, plan_for, resolve_plan
+from slimtune.spec.schema import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 _RESOLVERS = {"local_model_dir", "check_model_dir", "read_config", "resolve_device", "resolve_compute_dtype"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from slimtune.gguf_types import GGUF_ALIASES, GGUF_LLAMA_CPP, GGUF_NATIVE, GGUF_TYPES
+from slimtune.core.gguf_types import GGUF_ALIASES, GGUF_LLAMA_CPP, GGUF_NATIVE, GGUF_TYPES
 
 LLAMA_8B = {
     "model_type": "llama",
@@ -19,9 +19,9 @@ LLAMA_8B = {
 
 
 def test_the_spec_the_exporters_and_the_estimate_read_the_gguf_table():
-    from slimtune import spec
     from slimtune.export import gguf_quantize
     from slimtune.memory.estimate import estimate_export
+    from slimtune.spec import schema as spec
 
     assert spec.GGUF_NATIVE is GGUF_NATIVE and spec.GGUF_LLAMA_CPP is GGUF_LLAMA_CPP
     assert set(GGUF_NATIVE) | set(GGUF_LLAMA_CPP) == set(GGUF_TYPES)
@@ -35,7 +35,7 @@ def test_the_spec_the_exporters_and_the_estimate_read_the_gguf_table():
 
 
 def test_spec_rejects_a_type_outside_the_table():
-    from slimtune.spec import ExportSpec
+    from slimtune.spec.schema import ExportSpec
 
     with pytest.raises(ValueError, match="unknown GGUF type"):
         ExportSpec(gguf=["q9_x"])
@@ -44,7 +44,7 @@ def test_spec_rejects_a_type_outside_the_table():
 
 @pytest.mark.parametrize("micro_batch,grad_accum", [(3, 1), (6, 2), (8, 1), (5, 3), (1, 4)])
 def test_crash_hook_and_retry_ladder_take_the_same_step(micro_batch, grad_accum):
-    from slimtune.flows.crash import crash_downshift
+    from slimtune.flows.resubmit import crash_downshift
     from slimtune.memory.downshift import downshift_train
 
     ladder = downshift_train(micro_batch, grad_accum, True, attempt=2)
@@ -59,8 +59,8 @@ def test_crash_hook_and_retry_ladder_take_the_same_step(micro_batch, grad_accum)
 
 def test_maximum_memory_usage_has_one_range():
     from slimtune.memory.downshift import downshift_merge
-    from slimtune.merge.plan import resolve_budgets
-    from slimtune.spec import MERGE_MEMORY_USAGE_MAX, MergeSpec
+    from slimtune.merge.budgets import resolve_budgets
+    from slimtune.spec.schema import MERGE_MEMORY_USAGE_MAX, MergeSpec
 
     assert MergeSpec(maximum_memory_usage=MERGE_MEMORY_USAGE_MAX).maximum_memory_usage == MERGE_MEMORY_USAGE_MAX
     with pytest.raises(ValueError):

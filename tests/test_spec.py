@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from slimtune.spec import PipelineSpec, SpecError, load_spec, parse_spec
+from slimtune.spec.schema import PipelineSpec, SpecError, load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = str(ROOT / "deployments" / "data" / "tiny_chat.jsonl")

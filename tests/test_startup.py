@@ -22,7 +22,7 @@ def _loaded(code: str, modules: tuple[str, ...]) -> list[str]:
 
 def test_cli_module_imports_no_ml_library_or_prefect():
     heavy = ("torch", "transformers", "peft", "bitsandbytes", "prefect", *_FOREIGN)
-    assert _loaded("import slimtune.cli", heavy) == []
+    assert _loaded("import slimtune.cli.main", heavy) == []
 
 
 def test_flow_imports_no_plotting_tracker_or_llama_cpp():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from slimtune.tiny import build_model
+from slimtune.models.tiny import build_model
 from slimtune.train.step import StepSettings, enable_checkpointing, step_context
 from slimtune.train.step.checkpointing import _patched
 

@@ -28,8 +28,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from slimtune.data import load_examples
-from slimtune.spec import DataSpec, TrainSpec
-from slimtune.tiny import DATA_FILE, save_tiny
+from slimtune.spec.schema import DataSpec, TrainSpec
+from slimtune.models.tiny import DATA_FILE, save_tiny
 from slimtune.train import train_adapter
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s - %(message)s")

@@ -14,8 +14,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, TrainerControl, TrainerState
 
 from slimtune.data import load_examples
-from slimtune.spec import DataSpec, TrainSpec
-from slimtune.tiny import DATA_FILE, save_tiny
+from slimtune.models.tiny import DATA_FILE, save_tiny
+from slimtune.spec.schema import DataSpec, TrainSpec
 from slimtune.train import PrefectProgressCallback, latest_checkpoint, train_adapter
 from slimtune.train.checkpoints import COMPLETE
 
@@ -357,7 +357,7 @@ def test_report_to_writes_tensorboard_events_a_local_mlflow_store_and_an_offline
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from slimtune.spec import PipelineSpec
+    from slimtune.spec.schema import PipelineSpec
     from slimtune.train.trackers import tracker_params
 
     spec = PipelineSpec.model_validate(
@@ -522,7 +522,7 @@ def test_training_never_moves_the_model(base_dir, tokenizer, examples, data, tmp
 def test_adapter_carries_the_base_tokenizer_byte_for_byte(tmp_path):
     """transformers 5.23's save_pretrained drops `legacy: true` from a Llama-2-style tokenizer_config.json; the
     adapter's tokenizer must still tokenize as the base's (text right after a special token differed)."""
-    from slimtune.tiny import build_model, build_spm_tokenizer
+    from slimtune.models.tiny import build_model, build_spm_tokenizer
     from slimtune.train.adapter_io import save_adapter
 
     base_dir = tmp_path / "base"

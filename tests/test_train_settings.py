@@ -8,9 +8,9 @@ from pathlib import Path
 
 from model_configs import LLAMA_8B
 
-from slimtune.plan import Budget, plan, train_estimate
-from slimtune.spec import parse_spec
-from slimtune.train_settings import resolve_train
+from slimtune.plan.fit import Budget, plan, train_estimate
+from slimtune.plan.train_settings import resolve_train
+from slimtune.spec.schema import parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "deployments" / "data" / "tiny_chat.jsonl"
@@ -68,7 +68,7 @@ def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
 def test_the_flow_task_plan_attach_lora_and_the_ranks_decide_nothing_themselves():
     readers = {
         "slimtune/flows/stages.py": _function(_tree("slimtune/flows/stages.py"), "packed_sft_task"),
-        "slimtune/plan.py": _function(_tree("slimtune/plan.py"), "plan"),
+        "slimtune/plan/fit.py": _function(_tree("slimtune/plan/fit.py"), "plan"),
         "slimtune/tasks/attach_lora.py": _tree("slimtune/tasks/attach_lora.py"),
         "slimtune/flows/ranks.py": _tree("slimtune/flows/ranks.py"),
     }

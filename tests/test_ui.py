@@ -24,7 +24,7 @@ import yaml
 from cdp import HEADLESS_FLAGS
 from prefect_server import REPO, start_server
 
-from slimtune.spec import STAGES
+from slimtune.spec.schema import STAGES
 
 _CHROMIUM = Path("/usr/bin/chromium")
 _NAME = "tiny-smoke-ui"
@@ -121,7 +121,7 @@ def shots(tmp_path_factory) -> Path:
 
 def _spec_file(tmp_path: Path) -> Path:
     """tiny-smoke, longer, with its run directory under tmp_path (never inside the checkout)."""
-    from slimtune.spec import load_spec
+    from slimtune.spec.schema import load_spec
 
     spec = load_spec(REPO / "deployments" / "tiny-smoke.yaml")
     spec.name, spec.output_dir = _NAME, str(tmp_path / "runs")
@@ -146,7 +146,7 @@ def test_flow_run_page_shows_progress_charts_and_gguf_verification(server, shots
     # The flow runs in its own process: Prefect 3 reports task runs as events through a process-wide
     # worker bound to the first API it saw, which inside this test session may be another test's server.
     run_flow = (
-        "import sys; from slimtune.flows import finetune; from slimtune.spec import load_spec; "
+        "import sys; from slimtune.flows import finetune; from slimtune.spec.schema import load_spec; "
         "finetune(load_spec(sys.argv[1]))"
     )
     proc = subprocess.Popen(

@@ -103,7 +103,7 @@ def test_counting_collator_counts_real_tokens_and_passes_settings_through() -> N
 
 
 def test_slimtune_spec_validates_and_matches_the_trl_settings(tmp_path: Path) -> None:
-    from slimtune.spec import parse_spec
+    from slimtune.spec.schema import parse_spec
 
     args = user_compare.parse_args("--model tiny --device cpu --seq 256 --steps 3 --warmup 1".split())
     (tmp_path / "model-tiny").mkdir()  # the spec's paths must exist: what main() builds and writes

@@ -5,7 +5,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from slimtune.tiny import build_model
+from slimtune.models.tiny import build_model
 from slimtune.train.step.walks import walks_from_lists
 
 

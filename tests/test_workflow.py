@@ -11,15 +11,15 @@ import sys
 import pytest
 import yaml
 
-from slimtune.spec import load_spec, parse_spec
-from slimtune.tiny import DATA_FILE
+from slimtune.models.tiny import DATA_FILE
+from slimtune.spec.schema import load_spec, parse_spec
 
 PROMPTS = ["What is 12 plus 30?", "Name a colour."]
 
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "slimtune.cli", *args], input=stdin, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "slimtune.cli.main", *args], input=stdin, capture_output=True, text=True, timeout=600
     )
 
 
@@ -130,8 +130,8 @@ def test_adapter_gguf_is_llama_cpps_lora_format_and_agrees_with_merged(run):
 
 
 def test_the_default_gguf_is_the_most_precise_model_file(tmp_path):
-    from slimtune.generate import PRECISION_ORDER, RunDirError, pick_gguf
-    from slimtune.spec import GGUF_LLAMA_CPP, GGUF_NATIVE
+    from slimtune.inference.generate import PRECISION_ORDER, RunDirError, pick_gguf
+    from slimtune.spec.schema import GGUF_LLAMA_CPP, GGUF_NATIVE
 
     assert sorted(PRECISION_ORDER) == sorted(GGUF_NATIVE + GGUF_LLAMA_CPP)
     (tmp_path / "gguf").mkdir()
@@ -148,7 +148,7 @@ def test_a_long_chat_drops_the_oldest_turns_and_a_too_long_turn_is_reported(run)
 
     from transformers import AutoTokenizer
 
-    from slimtune.generate import Generator, HFBackend, chat_loop, load_hf_model
+    from slimtune.inference.generate import Generator, HFBackend, chat_loop, load_hf_model
 
     run_dir, _ = run
     prompt_lengths = []

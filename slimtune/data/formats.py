@@ -16,7 +16,7 @@ import re
 from typing import Any, Literal
 
 from slimtune.data.chat_mask import ChatMaskError, assistant_mask
-from slimtune.spec import DataSpec
+from slimtune.spec.schema import DataSpec
 
 IGNORE_INDEX = -100
 Format = Literal["messages", "prompt_completion", "text"]

@@ -11,11 +11,11 @@ import random
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
-from slimtune.bounded import clip
+from slimtune.core.bounded import clip
 from slimtune.data.formats import IGNORE_INDEX, FieldError, Format, detect_format, render
 from slimtune.data.packing import Example
 from slimtune.data.records import DataError, iter_records
-from slimtune.spec import DataSpec
+from slimtune.spec.schema import DataSpec
 
 log = logging.getLogger(__name__)
 # The split must be identical on every retry and resume of a run, so it is not tied to the train seed.

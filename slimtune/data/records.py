@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slimtune.bounded import MAX_DEPTH, NestingError, json_depth_problem, loads_json
+from slimtune.core.bounded import MAX_DEPTH, NestingError, json_depth_problem, loads_json
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")

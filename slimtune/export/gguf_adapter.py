@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 
 from slimtune.export.gguf_convert import _transform_for
-from slimtune.families import SUPPORTED_MODEL_TYPES, family_of
+from slimtune.models.families import SUPPORTED_MODEL_TYPES, family_of
 
 ADAPTER_GGUF_SUFFIX = "-lora.gguf"  # <run name>-lora.gguf beside the model GGUFs; not a model itself
 _A, _B = ".lora_A.weight", ".lora_B.weight"

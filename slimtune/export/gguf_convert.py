@@ -1,4 +1,4 @@
-"""Hugging Face safetensors -> GGUF for every family of `slimtune.families`, on the PyPI `gguf` package.
+"""Hugging Face safetensors -> GGUF for every family of `slimtune.models.families`, on the PyPI `gguf` package.
 
 Tensors are streamed: every tensor's GGUF name, type and byte size is planned from the safetensors
 headers alone, the header is written, and then each tensor is read, transformed, quantized and written
@@ -33,13 +33,13 @@ from typing import Any
 import gguf
 import numpy as np
 
-from slimtune import atomic
+from slimtune.core import atomic
 from slimtune.export.gguf_deltanet import deltanet_tensor
 from slimtune.export.gguf_quantize import CONVERTER_TYPES
 from slimtune.export.gguf_tokenizer import add_tokenizer
-from slimtune.families import BY_ARCHITECTURE, Family
-from slimtune.family_configs import full_attention_head_dim
-from slimtune.multimodal import layout_of, text_key, trained_config
+from slimtune.models.families import BY_ARCHITECTURE, Family
+from slimtune.models.family_configs import full_attention_head_dim
+from slimtune.models.multimodal import layout_of, text_key, trained_config
 
 Q = gguf.GGMLQuantizationType
 _FT = gguf.LlamaFileType

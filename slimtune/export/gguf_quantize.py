@@ -13,8 +13,8 @@ import functools
 import os
 from pathlib import Path
 
-from slimtune import atomic
-from slimtune.gguf_types import GGUF_ALIASES, GGUF_NATIVE, GGUF_TYPES
+from slimtune.core import atomic
+from slimtune.core.gguf_types import GGUF_ALIASES, GGUF_NATIVE, GGUF_TYPES
 
 # Methods our numpy converter writes directly (`convert_hf_to_gguf(out_type=...)`); llama.cpp can write
 # every type too (the q8_0 byte-equality test compares against it).

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from slimtune.export.gguf_quantize import require_llama_cpp
-from slimtune.multimodal import text_model_load_kwargs
+from slimtune.models.multimodal import text_model_load_kwargs
 
 # llama.cpp's threads spin while waiting; beyond ~8 the verification prompts (a few hundred tokens) gain
 # nothing, and on a shared machine more spinning threads only slow everyone down.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from slimtune import atomic
+from slimtune.core import atomic
 from slimtune.export.chat_formats import FORMAT_NAMES, recognise
 
 _HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")

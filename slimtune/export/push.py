@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from slimtune.exception_chain import exception_chain
+from slimtune.core.exception_chain import exception_chain
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo, HfApi

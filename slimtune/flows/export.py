@@ -20,19 +20,19 @@ from prefect.client.schemas.responses import DeploymentResponse
 from prefect.deployments import run_deployment
 from prefect.runtime import deployment, flow_run
 
-from slimtune import atomic
+from slimtune.core import atomic
+from slimtune.core.placement import EXPORT_ENTRYPOINT
 from slimtune.flows.progress import start_stage
 from slimtune.flows.stages import dequant_merge_task, eval_prompts_task, gguf_task
-from slimtune.placement import EXPORT_ENTRYPOINT
-from slimtune.plan import POOL_STAGES, Budget, job_variables, pool_needs
-from slimtune.plan import plan as plan_stages
-from slimtune.run_plan import RunPlan, resolve_plan
-from slimtune.spec import PipelineSpec
+from slimtune.plan.fit import POOL_STAGES, Budget, job_variables, pool_needs
+from slimtune.plan.fit import plan as plan_stages
+from slimtune.plan.run_plan import RunPlan, resolve_plan
+from slimtune.spec.schema import PipelineSpec
 from slimtune.train.callbacks import run_logger
 
 EXPORT_FLOW = "finetune-export"
 _RESULT = "export.json"
-# What deployments/process/gpu-hosts.json sets from the job variables of `slimtune.plan.job_variables`
+# What deployments/process/gpu-hosts.json sets from the job variables of `slimtune.plan.fit.job_variables`
 _PLACEMENT_ENV = ("SLIMTUNE_GPUS", "SLIMTUNE_GPU_MEMORY_GIB", "SLIMTUNE_HOST_MEMORY_GIB", "SLIMTUNE_DISK_GIB")
 
 

@@ -8,14 +8,13 @@ from dataclasses import asdict
 from prefect import flow
 from prefect.runtime import flow_run
 
-from slimtune import atomic, registry
-from slimtune.charts import publish_memory_chart
-from slimtune.earlier_outputs import set_aside_earlier_outputs
-from slimtune.evaluate import held_out_metrics
-from slimtune.flows.crash import crash_downshift
+from slimtune.core import atomic, registry
+from slimtune.flows.earlier_outputs import set_aside_earlier_outputs
 from slimtune.flows.export import export_on_pool, export_stages, hands_off
 from slimtune.flows.gpu_slots import gpu_concurrency, gpu_slot
 from slimtune.flows.progress import finish_run, start_stage
+from slimtune.flows.resubmit import crash_downshift, resubmit_on_crash
+from slimtune.flows.run_lock import run_lock
 from slimtune.flows.stages import (
     attach_lora_task,
     cleanup_task,
@@ -23,12 +22,13 @@ from slimtune.flows.stages import (
     load_records,
     packed_sft_task,
 )
-from slimtune.memory import publish_memory_report, resubmit_on_crash
-from slimtune.overrides import effective_yaml
-from slimtune.report import write_run_report
-from slimtune.run_lock import run_lock
-from slimtune.run_plan import resolve_plan
-from slimtune.spec import MAX_CRASH_RESUBMITS, PipelineSpec, recheck_paths
+from slimtune.inference.evaluate import held_out_metrics
+from slimtune.plan.run_plan import resolve_plan
+from slimtune.report.charts import publish_memory_chart
+from slimtune.report.memory_report import publish_memory_report
+from slimtune.report.run_report import write_run_report
+from slimtune.spec.overrides import effective_yaml
+from slimtune.spec.schema import MAX_CRASH_RESUBMITS, PipelineSpec, recheck_paths
 from slimtune.tasks.cleanup import MemorySnapshot
 from slimtune.tasks.packed_sft import prepare_data
 

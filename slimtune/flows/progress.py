@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 
-from slimtune.run_artifacts import progress_key, publish_progress, stage_span, stage_title
-from slimtune.run_plan import RunPlan
-from slimtune.spec import PipelineSpec
+from slimtune.plan.run_plan import RunPlan
+from slimtune.report.artifacts import progress_key, publish_progress, stage_span, stage_title
+from slimtune.spec.schema import PipelineSpec
 from slimtune.train.callbacks import duration, run_logger
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from slimtune.spec import PipelineSpec
+from slimtune.spec.schema import PipelineSpec
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def _rank_env() -> tuple[int, int, int]:
 def _train_rank(job: dict, local_rank: int) -> dict:
     """Load, attach and train on this rank's device; returns this rank's TrainReport as a dict."""
     from slimtune.memory.guard import guarded
-    from slimtune.run_plan import resolve_plan
+    from slimtune.plan.run_plan import resolve_plan
     from slimtune.tasks.attach_lora import attach_lora
     from slimtune.tasks.load_4bit import load_4bit
     from slimtune.tasks.packed_sft import packed_sft, prepare_data
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of one torchrun worker: `python -m slimtune.flows JOB_DIR`."""
     import torch.distributed as dist
 
-    from slimtune import atomic
+    from slimtune.core import atomic
 
     job_dir = Path((argv or sys.argv[1:])[0])
     rank, local_rank, world = _rank_env()

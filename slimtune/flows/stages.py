@@ -17,8 +17,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from slimtune import atomic
-from slimtune.charts import publish_memory_chart
+from slimtune.core import atomic
 from slimtune.flows import ranks
 from slimtune.memory import (
     Estimate,
@@ -29,20 +28,21 @@ from slimtune.memory import (
     estimate_load_4bit,
     estimate_merge,
     guarded,
-    publish_task_report,
     retry_on_memory_pressure,
 )
 from slimtune.memory.guard import gpu_shortfalls
-from slimtune.plan import DTYPE_BYTES
-from slimtune.run_plan import RunPlan
-from slimtune.spec import STAGES, PipelineSpec
+from slimtune.plan.fit import DTYPE_BYTES
+from slimtune.plan.run_plan import RunPlan
+from slimtune.plan.train_settings import resolve_train
+from slimtune.report.charts import publish_memory_chart
+from slimtune.report.memory_report import publish_task_report
+from slimtune.spec.schema import STAGES, PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.cleanup import cleanup
 from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 from slimtune.tasks.load_4bit import load_4bit
 from slimtune.tasks.packed_sft import packed_sft
-from slimtune.train_settings import resolve_train
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def gguf_task(spec: PipelineSpec, plan: RunPlan, merged_dir: str, adapter_dir: s
 @_task("eval_prompts", "eval_prompts [{spec.name}]")
 def eval_prompts_task(spec: PipelineSpec, plan: RunPlan, merged_dir: str) -> list[dict]:
     """Base and fine-tuned answers to eval.prompts, side by side (one model loaded at a time)."""
-    from slimtune.evaluate import compare_generations
+    from slimtune.inference.evaluate import compare_generations
 
     with _guard("eval_prompts", spec, plan, None):
         return compare_generations(

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from slimtune.families import FAMILIES, KERNEL_NAMES
+from slimtune.models.families import FAMILIES, KERNEL_NAMES
 
 from ._launch import interpreter_on
 from .instance_patch import KernelPatch
@@ -39,7 +39,7 @@ from .patchers import PATCHERS
 log = logging.getLogger("slimtune.kernels")
 
 # KERNEL_NAMES, and which kernels match which family's math (and why the others stay eager), are in
-# slimtune.families.
+# slimtune.models.families.
 
 
 def resolve_selection(selection: str | list[str] | tuple[str, ...], device_type: str, family: str | None) -> list[str]:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from slimtune.families import FAMILIES
+from slimtune.models.families import FAMILIES
 
 from .instance_patch import KernelPatch, replace_forward
 

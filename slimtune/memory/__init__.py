@@ -2,7 +2,6 @@
 are part of the training step: `slimtune.train.step`)."""
 
 from slimtune.memory.clean import clean_memory
-from slimtune.memory.crash import resubmit_on_crash
 from slimtune.memory.downshift import (
     DownshiftExhausted,
     MergeShift,
@@ -21,7 +20,6 @@ from slimtune.memory.estimate import (
     estimate_train,
 )
 from slimtune.memory.guard import GuardRecord, guarded, max_memory_with_headroom, preflight
-from slimtune.memory.report import publish_memory_report, publish_task_report
 
 __all__ = [
     "DownshiftExhausted",
@@ -43,8 +41,5 @@ __all__ = [
     "guarded",
     "max_memory_with_headroom",
     "preflight",
-    "publish_memory_report",
-    "publish_task_report",
-    "resubmit_on_crash",
     "retry_on_memory_pressure",
 ]

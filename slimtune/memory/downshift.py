@@ -11,9 +11,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from slimtune.exception_chain import exception_chain
+from slimtune.core.exception_chain import exception_chain
 from slimtune.memory.errors import MemoryPressure
-from slimtune.spec import MERGE_MEMORY_USAGE_MAX
+from slimtune.spec.schema import MERGE_MEMORY_USAGE_MAX
 
 _MERGE_STEP = 0.1
 _MERGE_FLOOR = 0.1
@@ -57,7 +57,7 @@ def _smaller_divisor(n: int) -> int:
 def next_train_shift(
     micro_batch: int, grad_accum: int, checkpointing: bool | str
 ) -> tuple[int, int, bool | str, str] | None:
-    """The one downshift rule, used by the retry ladder and by the crash hook (flows/crash.py).
+    """The one downshift rule, used by the retry ladder and by the crash hook (flows/resubmit.py).
 
     Returns (micro_batch, grad_accum, checkpointing, note) one step down, or None when nothing is
     left. The micro-batch goes to its largest divisor <= half, so micro_batch x accumulation (the

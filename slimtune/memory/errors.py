@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from slimtune.exception_chain import exception_chain
+from slimtune.core.exception_chain import exception_chain
 
 _GIB = 1024**3
 

@@ -14,9 +14,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from slimtune.families import canonical_targets
-from slimtune.gguf_types import GGUF_TYPES
+from slimtune.core.gguf_types import GGUF_TYPES
 from slimtune.memory.model_shape import ModelShape, model_shape
+from slimtune.models.families import canonical_targets
 
 _GIB = 1024**3
 
@@ -41,7 +41,7 @@ _LOAD_CONTEXT_BYTES = int(1.12 * _GIB)
 # Anonymous host memory of the loading process: 0.64 GiB in a bare worker, 0.72 GiB inside the flow.
 _LOAD_HOST_BYTES = int(0.73 * _GIB)
 _CONTEXT_TERM = "CUDA context and libraries (outside the allocator)"
-# Training: with expandable segments (slimtune.device) reserved stays close to allocated, and what remains
+# Training: with expandable segments (slimtune.core.device) reserved stays close to allocated, and what remains
 # grows with the step's short-lived tensors (the activation and loss terms). Measured reserved - allocated
 # over the grid: 0.02-0.57 GiB with the fused kernels and standard checkpointing, up to 2.6 GiB at 4 x 8192
 # with offloading (copies on a second stream keep their blocks apart), and up to 4.2 GiB with kernels off

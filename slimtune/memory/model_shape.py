@@ -2,7 +2,8 @@
 
 One `ModelShape` per config: the sizes of every linear of each decoder layer (Gemma 4's layers differ from each
 other), the 16-bit embedding tables and the small norm and bias weights, with the family quirks from
-`slimtune.families` (tied heads, q/k norms, biases). Anything outside the family table gets plain Llama arithmetic.
+`slimtune.models.families` (tied heads, q/k norms, biases). Anything outside the family table gets plain Llama
+arithmetic.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from slimtune.families import family_of, text_fields
-from slimtune.family_configs import full_attention_head_dim, gemma4_sliding_layers, linear_attention_layers
+from slimtune.models.families import family_of, text_fields
+from slimtune.models.family_configs import full_attention_head_dim, gemma4_sliding_layers, linear_attention_layers
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class ModelShape:
     vocab: int
     tied: bool
     qkv_bias: bool
-    qk_norm: str  # "", "head" or "full" (see slimtune.families)
+    qk_norm: str  # "", "head" or "full" (see slimtune.models.families)
     layer_norms: int
     model_type: str
     # Gemma 4: layers that differ (wider global heads, KV-shared layers without k/v) and per-layer inputs
@@ -100,7 +101,7 @@ def model_shape(cfg: dict[str, Any]) -> ModelShape:
     if missing:
         raise ValueError(
             f"config.json lacks {', '.join(missing)}; memory estimates support dense decoder configs "
-            "(slimtune.families)"
+            "(slimtune.models.families)"
         )
     model_type = str(text.get("model_type", "llama"))
     family = family_of(text)  # shape quirks of the family; plain Llama arithmetic for anything else

@@ -11,15 +11,15 @@ from typing import Literal
 
 import torch
 
-from slimtune import atomic
+from slimtune.core import atomic
 from slimtune.memory.sampler import PeakSampler
-from slimtune.multimodal import checkpoint_names, layout_of, text_key
+from slimtune.merge.budgets import OutputShard, plan_shards, preflight_disk, resolve_budgets, spill_bound
+from slimtune.models.multimodal import checkpoint_names, layout_of, text_key
 
 from .errors import AlreadyMergedError, MergeError
 from .lora_delta import ADAPTER_FILES, check_against_base, load_adapter
 from .manifest import MANIFEST, MARKER, adapter_digest, hash_files, read_manifest, reusable, write_manifest
 from .nf4 import QuantSpec, quantized_tensor_names
-from .plan import OutputShard, plan_shards, preflight_disk, resolve_budgets, spill_bound
 from .prequantized import is_prequantized, split_stored_4bit
 from .safetensors_io import DTYPES, FLOAT16_32, TensorEntry, read_entries
 from .stream import HeldTensors, TensorMerger, merge_shards

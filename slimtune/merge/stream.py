@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from slimtune.merge.budgets import Budgets, OutputShard, gpu_working_set
+
 from .errors import DiskSpaceError
 from .lora_delta import Adapter
 from .nf4 import QuantSpec, roundtrip
-from .plan import Budgets, OutputShard, gpu_working_set
 from .prequantized import dequantize_stored
 from .safetensors_io import DTYPES, FLOAT16_32, NAMES, OutTensor, TensorEntry, as_tensor, read_raw, write_shard
 

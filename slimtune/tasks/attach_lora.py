@@ -7,13 +7,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from slimtune import registry
-from slimtune.families import lora_target_modules
+from slimtune.core import registry
 from slimtune.kernels import apply_kernels
-from slimtune.run_plan import RunPlan, plan_for
-from slimtune.spec import PipelineSpec
+from slimtune.models.families import lora_target_modules
+from slimtune.plan.run_plan import RunPlan, plan_for
+from slimtune.plan.train_settings import TrainSettings, resolve_train
+from slimtune.spec.schema import PipelineSpec
 from slimtune.train.step import enable_checkpointing
-from slimtune.train_settings import TrainSettings, resolve_train
 
 log = logging.getLogger(__name__)
 _EMBEDDINGS = ("embed_tokens", "lm_head")

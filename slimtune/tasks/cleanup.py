@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 import psutil
 import torch
 
-from slimtune import registry
+from slimtune.core import registry
 from slimtune.kernels.scratch import release_scratch
 from slimtune.memory import clean_memory
 from slimtune.memory.holders import holder_chains, live_tensors

@@ -8,8 +8,8 @@ import torch
 
 from slimtune.merge import MergeReport, merge_adapter
 from slimtune.merge.nf4 import TRAINING_NF4
-from slimtune.run_plan import RunPlan, plan_for
-from slimtune.spec import PipelineSpec
+from slimtune.plan.run_plan import RunPlan, plan_for
+from slimtune.spec.schema import PipelineSpec
 
 
 def dequant_merge(

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slimtune import atomic
+from slimtune.core import atomic
 from slimtune.export import (
     convert_hf_to_gguf,
     llama_cpp_available,
@@ -27,8 +27,8 @@ from slimtune.export.gguf_tokenizer_check import check_tokenizer_export
 from slimtune.export.model_card import base_license, chat_template_outcome
 from slimtune.export.previous_gguf import set_aside_previous_ggufs
 from slimtune.merge.nf4 import TRAINING_NF4
-from slimtune.run_plan import RunPlan, plan_for
-from slimtune.spec import PipelineSpec
+from slimtune.plan.run_plan import RunPlan, plan_for
+from slimtune.spec.schema import PipelineSpec
 
 log = logging.getLogger(__name__)
 # Fixed verification prompts: plain text, digits, punctuation and a chat turn, so that tokenizer and
@@ -154,7 +154,7 @@ def _card(
 
 
 def adapter_gguf_name(spec: PipelineSpec) -> str:
-    """File name of the LoRA adapter GGUF, beside the model GGUFs (`slimtune.generate` skips it)."""
+    """File name of the LoRA adapter GGUF, beside the model GGUFs (`slimtune.inference.generate` skips it)."""
     return f"{spec.name}{ADAPTER_GGUF_SUFFIX}"
 
 

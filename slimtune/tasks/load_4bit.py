@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from slimtune import registry
-from slimtune.families import FAMILIES
+from slimtune.core import registry
 from slimtune.memory import max_memory_with_headroom
 from slimtune.merge.nf4 import TRAINING_NF4
-from slimtune.multimodal import text_model_load_kwargs
-from slimtune.run_plan import RunPlan, plan_for
-from slimtune.spec import PipelineSpec
+from slimtune.models.families import FAMILIES
+from slimtune.models.multimodal import text_model_load_kwargs
+from slimtune.plan.run_plan import RunPlan, plan_for
+from slimtune.spec.schema import PipelineSpec
 
 log = logging.getLogger(__name__)
 

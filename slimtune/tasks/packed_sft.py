@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from slimtune import registry
+from slimtune.core import registry
 from slimtune.export.model_card import write_adapter_card
-from slimtune.run_plan import RunPlan, plan_for
-from slimtune.spec import PipelineSpec
+from slimtune.plan.run_plan import RunPlan, plan_for
+from slimtune.spec.schema import PipelineSpec
 from slimtune.train import TrainReport, train_adapter
 from slimtune.train.step import enable_checkpointing
 from slimtune.train.trackers import tracker_params

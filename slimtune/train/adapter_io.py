@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from slimtune import atomic
+from slimtune.core import atomic
 
 
 def _canonical_adapter_config(path: Path) -> None:

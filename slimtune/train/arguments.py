@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import TrainingArguments
 
-from slimtune.spec import TrainSpec
+from slimtune.spec.schema import TrainSpec
 from slimtune.train import checkpoints
 from slimtune.train.options import scheduler_name
 

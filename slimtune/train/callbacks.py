@@ -3,7 +3,7 @@
 The terminal progress bar is the Trainer's own (tqdm); these add what it lacks: loss, learning rate,
 tokens/s, padding waste and memory in the log (through Prefect's run logger inside a task, so the line
 reaches the UI, the worker output and the CLI), and progress with ETA and a loss curve in the Prefect UI,
-each one artifact per run updated in place (`slimtune.run_artifacts`).
+each one artifact per run updated in place (`slimtune.report.artifacts`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import psutil
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from slimtune.charts import loss_curve_png, publish_image
-from slimtune.run_artifacts import artifact_key, in_run, publish_progress
+from slimtune.report.artifacts import artifact_key, in_run, publish_progress
+from slimtune.report.charts import loss_curve_png, publish_image
 from slimtune.train.terminal import STEP_RECORD
 
 log = logging.getLogger("slimtune.train")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from slimtune import atomic
+from slimtune.core import atomic
 
 log = logging.getLogger(__name__)
 

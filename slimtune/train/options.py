@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from slimtune.data import BatchMode
-from slimtune.families import SUPPORTED_MODEL_TYPES
+from slimtune.models.families import SUPPORTED_MODEL_TYPES
 from slimtune.train.step.attention import VARLEN
 from slimtune.train.step.linear_attention import isolate_documents
 
@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 # Model types whose attention keeps packed examples apart given restarting position ids and no mask:
 # each is checked by tests/test_packing.py (packed loss == token-weighted mean of the examples' own
-# losses to 1e-5) for every family of slimtune.families. Others fall back to padded batches rather
+# losses to 1e-5) for every family of slimtune.models.families. Others fall back to padded batches rather
 # than silently attend across examples.
 ISOLATING_MODEL_TYPES = frozenset(SUPPORTED_MODEL_TYPES)
 # Attention implementations that build the block-diagonal mask from position ids (transformers >= 5).

@@ -19,7 +19,7 @@ from transformers import Trainer, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 
 from slimtune.data import Examples
-from slimtune.spec import DataSpec, TrainSpec
+from slimtune.spec.schema import DataSpec, TrainSpec
 from slimtune.train import checkpoints
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import MLflowCallback, WandbCallback
 
 from slimtune.merge.nf4 import TRAINING_NF4
-from slimtune.spec import PipelineSpec
+from slimtune.spec.schema import PipelineSpec
 
 # MLflow 3 stores a param value of up to 6,000 characters; a long data.sources list is cut well below that
 _MAX_PARAM_CHARS = 1000

@@ -30,12 +30,12 @@ from transformers import Trainer, TrainerCallback
 from transformers.integrations import MLflowCallback, WandbCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from slimtune import atomic
-from slimtune.charts import LOSS_CURVE_KIND
+from slimtune.core import atomic
 from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
-from slimtune.evaluate import perplexity
-from slimtune.run_artifacts import progress_key, run_key, stage_span, stage_title
-from slimtune.spec import DataSpec, TrainSpec
+from slimtune.inference.evaluate import perplexity
+from slimtune.report.artifacts import progress_key, run_key, stage_span, stage_title
+from slimtune.report.charts import LOSS_CURVE_KIND
+from slimtune.spec.schema import DataSpec, TrainSpec
 from slimtune.train import checkpoints
 from slimtune.train.adapter_io import save_adapter
 from slimtune.train.arguments import ddp_bucket_cap_mb, training_arguments

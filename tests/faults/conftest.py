@@ -105,7 +105,7 @@ def observe(request):
 def _empty_registry():
     """A failed test must not leave a live model for the next one."""
     yield
-    from slimtune import registry
+    from slimtune.core import registry
 
     registry.release_all()
 

@@ -148,7 +148,7 @@ def adapter_diff(a: Path, b: Path) -> tuple[float, float]:
 def run_finetune(data: dict):
     """Validate `data` like the CLI does and run the finetune flow in this process; returns its summary."""
     from slimtune.flows import finetune
-    from slimtune.spec import parse_spec
+    from slimtune.spec.schema import parse_spec
 
     return finetune(parse_spec(data))
 
@@ -173,7 +173,7 @@ def stub_model_stages(mp, spans: list[tuple[str, str, float, float]] | None = No
     from prefect import task
     from prefect.cache_policies import NO_CACHE
 
-    from slimtune import registry
+    from slimtune.core import registry
 
     # `slimtune.flows` exports the flow under the module's name, so `import ... as` would give the flow
     finetune_mod = importlib.import_module("slimtune.flows.finetune")

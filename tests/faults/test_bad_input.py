@@ -13,7 +13,7 @@ import pytest
 import yaml
 from faultlib import BASE_SPEC, WIRING_ONLY, run_finetune, spec_dict, stub_model_stages
 
-from slimtune.cli import EXIT_INVALID_SPEC, main
+from slimtune.cli.main import EXIT_INVALID_SPEC, main
 
 # (case id, changes as {section: {field: value}} (None deletes), field the message must name, fix it must give)
 _SPEC_CASES = [

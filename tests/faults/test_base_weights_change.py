@@ -25,7 +25,7 @@ def _settings(model_dir):
     expect="the resume fingerprint changes (old checkpoints are not resumed); an untouched folder keeps it",
 )
 def test_overwritten_base_weights_change_the_fingerprint(tmp_path, observe):
-    from slimtune.tiny import save_tiny
+    from slimtune.models.tiny import save_tiny
     from slimtune.train.resume import _changed
 
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)

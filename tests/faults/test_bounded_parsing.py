@@ -19,7 +19,7 @@ import pytest
 import yaml
 from faultlib import REPO, spec_dict
 
-from slimtune.cli import EXIT_INVALID_SPEC
+from slimtune.cli.main import EXIT_INVALID_SPEC
 
 _LEVELS = "abcdefghi"  # 9 levels of 10: 10**9 strings once expanded
 
@@ -42,7 +42,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     try:
         return subprocess.run(
-            [sys.executable, "-m", "slimtune.cli", *args],
+            [sys.executable, "-m", "slimtune.cli.main", *args],
             capture_output=True,
             text=True,
             env=env,
@@ -76,7 +76,7 @@ def test_yaml_alias_bomb_is_refused_before_it_expands(tmp_path, observe):
     assert len(done.stderr) < 1000, done.stderr[:2000]
     observe(problems[0].strip())
 
-    from slimtune.spec import SpecError, load_spec
+    from slimtune.spec.schema import SpecError, load_spec
 
     started = time.perf_counter()
     with pytest.raises(SpecError):
@@ -104,7 +104,7 @@ def test_yaml_alias_bomb_in_an_override(tmp_path, observe):
 
 
 def test_alias_cycle_and_depth_are_refused(tmp_path):
-    from slimtune.spec import SpecError, load_spec
+    from slimtune.spec.schema import SpecError, load_spec
 
     spec = tmp_path / "cycle.yaml"
     spec.write_text("lora: &a {r: *a}\n")
@@ -116,7 +116,7 @@ def test_alias_cycle_and_depth_are_refused(tmp_path):
 
 
 def test_ordinary_aliases_and_merge_keys_still_load(tmp_path):
-    from slimtune.spec import load_spec
+    from slimtune.spec.schema import load_spec
 
     data = spec_dict(tmp_path / "runs")
     del data["lora"], data["train"]
@@ -166,7 +166,7 @@ def test_deeply_nested_json_record(tmp_path, levels, observe):
 
 
 def test_deeply_nested_config_json_names_the_file(tmp_path):
-    from slimtune.model_source import ModelSourceError, read_model_json
+    from slimtune.models.source import ModelSourceError, read_model_json
 
     config = tmp_path / "config.json"
     config.write_text('{"a": ' + _deep(100_000) + "}")
@@ -197,7 +197,7 @@ def test_bom_before_json_data(tmp_path):
     expect="errors quote at most a clipped view of a value (a 1 MB path, a 5,000-item list, a 100 kB number)",
 )
 def test_messages_never_quote_unbounded_input(tmp_path, capsys, observe):
-    from slimtune.cli import main
+    from slimtune.cli.main import main
 
     data = spec_dict(tmp_path / "runs")
     data["data"]["path"] = "/nowhere/" + "x" * 1_000_000 + ".jsonl"

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from faultlib import REPO, spec_dict
 
-from slimtune.cli import EXIT_INVALID_SPEC
+from slimtune.cli.main import EXIT_INVALID_SPEC
 
 _GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
@@ -30,7 +30,7 @@ def _env() -> dict[str, str]:
 
 def _slimtune(*args: str, stdin: bytes | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "slimtune.cli", *args],
+        [sys.executable, "-m", "slimtune.cli.main", *args],
         input=stdin,
         capture_output=True,
         env=_env(),
@@ -51,7 +51,7 @@ def _one_error(done: subprocess.CompletedProcess, code: int) -> str:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """A finished run's directory as `generate`/`chat` read it: a tiny merged model and its spec."""
-    from slimtune.tiny import save_tiny
+    from slimtune.models.tiny import save_tiny
 
     root = tmp_path_factory.mktemp("run") / "faults"
     save_tiny(root / "merged", "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
@@ -157,13 +157,13 @@ def _has_loaded(pid: int, library: str) -> bool:
     expect="exit 130 with one line; no traceback",
 )
 def test_ctrl_c_during_the_checks(tmp_path, command, observe):
-    from slimtune.tiny import save_tiny
+    from slimtune.models.tiny import save_tiny
 
     model = save_tiny(tmp_path / "model", "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(spec_dict(tmp_path / "runs", model={"name_or_path": str(model), "device": "cpu"})))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "slimtune.cli", command, str(spec)],
+        [sys.executable, "-m", "slimtune.cli.main", command, str(spec)],
         env={k: v for k, v in _env().items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(tmp_path / "ph")},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from slimtune.export.gguf_verify import GGUFVerifyError, verify_gguf
 from slimtune.merge import merge_adapter
 from slimtune.merge.errors import MergeError
-from slimtune.spec import parse_spec
+from slimtune.models.tiny import ensure_builtin
+from slimtune.spec.schema import parse_spec
 from slimtune.tasks.load_4bit import load_4bit
-from slimtune.tiny import ensure_builtin
 
 _OURS = ("slimtune.",)  # exception types defined by slimtune (module path), not by a library
 

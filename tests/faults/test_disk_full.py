@@ -14,10 +14,10 @@ from faultlib import fill, leftovers, spec_dict
 
 import slimtune.merge.run as merge_run
 import slimtune.tasks.gguf_convert_and_push as gguf_task_mod
-from slimtune import registry
+from slimtune.core import registry
 from slimtune.flows.stages import dequant_merge_task, packed_sft_task
-from slimtune.run_plan import resolve_plan
-from slimtune.spec import parse_spec
+from slimtune.plan.run_plan import resolve_plan
+from slimtune.spec.schema import parse_spec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 from slimtune.tasks.load_4bit import load_4bit

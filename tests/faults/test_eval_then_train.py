@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimtune import registry
-from slimtune.spec import ModelSpec, PipelineSpec
+from slimtune.core import registry
+from slimtune.models.families import FAMILIES
+from slimtune.models.tiny import save_tiny
+from slimtune.spec.schema import ModelSpec, PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.load_4bit import load_4bit
-from slimtune.tiny import FAMILIES, save_tiny
 
 
 def _grads(model, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:

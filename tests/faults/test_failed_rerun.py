@@ -4,7 +4,7 @@ Seen before: `spec.effective.yaml` was written when the run started, so a re-run
 describing settings that produced none of the outputs beside it; and a re-run that trained a new adapter, then
 failed in the merge, left the earlier run's `merged/` and `gguf/` beside it, which `slimtune generate`/`chat`
 then loaded. Now the effective spec is written with the run's first output (the adapter), and a new adapter
-sets the earlier merge and GGUFs aside (`slimtune.earlier_outputs`).
+sets the earlier merge and GGUFs aside (`slimtune.flows.earlier_outputs`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _failing_task(name: str):
 )
 def test_a_rerun_failing_before_its_adapter_changes_nothing(reference_run, tmp_path, monkeypatch, observe):
     from slimtune.flows import finetune
-    from slimtune.spec import parse_spec
+    from slimtune.spec.schema import parse_spec
 
     run_dir = _earlier_run(reference_run, tmp_path)
     before = (run_dir / "spec.effective.yaml").read_text()
@@ -66,8 +66,8 @@ def test_a_rerun_failing_after_its_adapter_leaves_no_output_of_the_earlier_one(
     reference_run, tmp_path, monkeypatch, observe
 ):
     from slimtune.flows import finetune
-    from slimtune.generate import RunDirError, pick_gguf
-    from slimtune.spec import parse_spec
+    from slimtune.inference.generate import RunDirError, pick_gguf
+    from slimtune.spec.schema import parse_spec
 
     run_dir = _earlier_run(reference_run, tmp_path)
     earlier_ggufs = sorted(p.name for p in (run_dir / "gguf").glob("*.gguf"))

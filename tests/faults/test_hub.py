@@ -16,7 +16,7 @@ import pytest
 from faultlib import spec_dict
 
 from slimtune.export import PushError
-from slimtune.spec import parse_spec
+from slimtune.spec.schema import parse_spec
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

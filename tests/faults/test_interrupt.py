@@ -30,7 +30,7 @@ def _start(tmp_path: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
     # files, not pipes: nobody reads a pipe while the run goes, and a full one would block it
     proc = subprocess.Popen(
-        [sys.executable, "-m", "slimtune.cli", "run", str(spec)],
+        [sys.executable, "-m", "slimtune.cli.main", "run", str(spec)],
         stdout=(tmp_path / "stdout").open("w"),
         stderr=(tmp_path / "stderr").open("w"),
         text=True,

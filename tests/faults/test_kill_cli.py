@@ -26,7 +26,7 @@ _RUN_TIMEOUT_S = 300
 def _start(spec: Path, log: Path, env: dict[str, str]) -> subprocess.Popen:
     with log.open("w") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "slimtune.cli", "run", str(spec)],
+            [sys.executable, "-m", "slimtune.cli.main", "run", str(spec)],
             cwd=REPO,
             env=env,
             stdout=out,

@@ -8,12 +8,12 @@ import logging
 import pytest
 from transformers import AutoTokenizer
 
-from slimtune import registry
+from slimtune.core import registry
 from slimtune.data import DataError, load_examples
-from slimtune.spec import DataSpec, ModelSpec, PipelineSpec
+from slimtune.models.tiny import DATA_FILE, save_tiny
+from slimtune.spec.schema import DataSpec, ModelSpec, PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.load_4bit import load_4bit
-from slimtune.tiny import DATA_FILE, save_tiny
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
 

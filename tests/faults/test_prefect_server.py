@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from faultlib import REPO, spec_dict
 
-from slimtune.cli import EXIT_INVALID_SPEC
+from slimtune.cli.main import EXIT_INVALID_SPEC
 
 _SERVER_UP_S = 180  # the CLI's imports and the server's start on a busy 2-core machine
 
@@ -72,7 +72,7 @@ def test_the_temporary_server_dies_with_a_killed_cli(tmp_path, observe):
     log = tmp_path / "run.log"
     with log.open("w") as out:
         cli = subprocess.Popen(
-            [sys.executable, "-m", "slimtune.cli", "run", str(_spec(tmp_path))],
+            [sys.executable, "-m", "slimtune.cli.main", "run", str(_spec(tmp_path))],
             env=_env(tmp_path),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -111,7 +111,7 @@ def test_the_temporary_server_dies_with_a_killed_cli(tmp_path, observe):
 )
 def test_the_start_limit_names_its_setting(tmp_path, observe):
     cli = subprocess.Popen(
-        [sys.executable, "-m", "slimtune.cli", "run", str(_spec(tmp_path))],
+        [sys.executable, "-m", "slimtune.cli.main", "run", str(_spec(tmp_path))],
         env=_env(tmp_path, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -174,7 +174,7 @@ def test_unusable_prefect_home(tmp_path, command, where, observe):
         home = _read_only_home(tmp_path)
     started = time.monotonic()
     cli = subprocess.Popen(
-        [sys.executable, "-m", "slimtune.cli", command, str(_spec(tmp_path))],
+        [sys.executable, "-m", "slimtune.cli.main", command, str(_spec(tmp_path))],
         env=_env(tmp_path, PREFECT_HOME=str(home)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

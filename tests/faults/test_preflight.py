@@ -15,8 +15,8 @@ import pytest
 import yaml
 from faultlib import spec_dict
 
-from slimtune.cli import EXIT_INVALID_SPEC, main
-from slimtune.tiny import save_tiny
+from slimtune.cli.main import EXIT_INVALID_SPEC, main
+from slimtune.models.tiny import save_tiny
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
 
@@ -151,7 +151,7 @@ def test_yaml_that_would_lose_settings(case, content, needle, tmp_path, capsys, 
 )
 def test_data_error_is_named_by_file_and_line_without_traceback(tmp_path, observe):
     """The flow's own data loader named it once the run had started; the pre-run checks read the data as the
-    flow does (`slimtune.data_check`), so the run now stops before the flow with the same file:line."""
+    flow does (`slimtune.checks.tokenizer_and_data`), so the run now stops before the flow with the same file:line."""
     import subprocess
 
     from faultlib import DATA, REPO
@@ -162,7 +162,11 @@ def test_data_error_is_named_by_file_and_line_without_traceback(tmp_path, observ
     spec = _spec_file(tmp_path, data={"path": str(data)})
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
     done = subprocess.run(
-        [sys.executable, "-m", "slimtune.cli", "run", str(spec)], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-m", "slimtune.cli.main", "run", str(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     errors = [line for line in done.stderr.splitlines() if line.startswith("slimtune: error:")]
     named = [line.strip() for line in done.stderr.splitlines() if f"{data}:6" in line]

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from faultlib import REPO, spec_dict
 
-from slimtune.atomic import umask
+from slimtune.core.atomic import umask
 
 
 @pytest.mark.fault(
@@ -33,7 +33,11 @@ def test_rerun_reuses_the_merge_and_keeps_the_training_time(reference_run, tmp_p
     spec.write_text(yaml.safe_dump(spec_dict(out)))
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONHASHSEED": "7"}
     done = subprocess.run(
-        [sys.executable, "-m", "slimtune.cli", "run", str(spec)], capture_output=True, text=True, env=env, timeout=900
+        [sys.executable, "-m", "slimtune.cli.main", "run", str(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "faults" / "report.json").read_text())

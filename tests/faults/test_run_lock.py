@@ -14,11 +14,11 @@ import pytest
 import yaml
 from faultlib import REPO, spec_dict
 
-from slimtune.cli import EXIT_INVALID_SPEC, main
-from slimtune.run_lock import lock_path, run_lock
+from slimtune.cli.main import EXIT_INVALID_SPEC, main
+from slimtune.flows.run_lock import lock_path, run_lock
 
 _HOLD = """import sys, time
-from slimtune.run_lock import run_lock
+from slimtune.flows.run_lock import run_lock
 with run_lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(120)

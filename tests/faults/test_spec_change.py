@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from slimtune import registry
+from slimtune.core import registry
 from slimtune.data import load_examples
-from slimtune.spec import DataSpec, LoraSpec, ModelSpec, PipelineSpec, TrainSpec
+from slimtune.models.tiny import DATA_FILE, save_tiny
+from slimtune.spec.schema import DataSpec, LoraSpec, ModelSpec, PipelineSpec, TrainSpec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.load_4bit import load_4bit
-from slimtune.tiny import DATA_FILE, save_tiny
 from slimtune.train import train_adapter
 from slimtune.train.resume import _OPERATIONAL, model_settings
 

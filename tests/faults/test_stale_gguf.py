@@ -18,7 +18,7 @@ from faultlib import leftovers, run_finetune, spec_dict
     expect="the default GGUF and --gguf choose only files of this run's export.gguf; a stale one is named as such",
 )
 def test_generate_ignores_gguf_files_of_an_earlier_run(tmp_path, observe):
-    from slimtune.generate import RunDirError, pick_gguf
+    from slimtune.inference.generate import RunDirError, pick_gguf
 
     run_dir = tmp_path / "faults"
     (run_dir / "gguf").mkdir(parents=True)
@@ -44,7 +44,7 @@ def test_generate_ignores_gguf_files_of_an_earlier_run(tmp_path, observe):
     expect="the GGUF files the new list no longer produces are moved to gguf.previous/; gguf/ holds this run's only",
 )
 def test_rerun_with_another_export_list_moves_the_old_gguf_aside(tmp_path, prefect_harness, observe):
-    from slimtune.generate import pick_gguf
+    from slimtune.inference.generate import pick_gguf
 
     run_dir = tmp_path / "faults"
     run_finetune(spec_dict(tmp_path, export={"gguf": ["f16"], "verify": False}))

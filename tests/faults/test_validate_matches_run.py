@@ -18,8 +18,8 @@ import pytest
 import yaml
 from faultlib import DATA, spec_dict
 
-from slimtune.cli import EXIT_INVALID_SPEC, main
-from slimtune.tiny import save_tiny
+from slimtune.cli.main import EXIT_INVALID_SPEC, main
+from slimtune.models.tiny import save_tiny
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
 

@@ -9,10 +9,9 @@ if not torch.cuda.is_available():  # Triton reads this when the kernels are deco
 
 import pytest
 
-from slimtune.families import FAMILIES as TABLE
-from slimtune.families import lora_target_modules
 from slimtune.kernels import KERNEL_NAMES, apply_kernels, resolve_selection
-from slimtune.tiny import FAMILIES, build_model, save_tiny
+from slimtune.models.families import FAMILIES, lora_target_modules
+from slimtune.models.tiny import build_model, save_tiny
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -70,7 +69,7 @@ def test_apply_matches_eager_and_undo_restores(family):
     batch = _batch(128)
     ref_out, ref_grads = _step(model, batch)
     patch = apply_kernels(model, list(KERNEL_NAMES))
-    row = TABLE[family]
+    row = FAMILIES[family]
     # on a plain (not peft, CPU) model: every kernel of the family's math but lora_nf4 and host_embedding
     assert set(patch.applied) == set(row.kernels) - {"lora_nf4", "host_embedding"}, patch.skipped
     assert "lora_nf4" in patch.skipped
@@ -174,7 +173,7 @@ def test_unsloth_checkpointing_with_kernels_gives_the_same_lora_gradients(tiny_q
         patch.undo()
         handle.undo()
     # forward: every projection computed; recompute: down_proj's output skipped unless a post-norm reads it
-    skipped = 1 if TABLE[model.get_base_model().config.model_type].layer_output else 0
+    skipped = 1 if FAMILIES[model.get_base_model().config.model_type].layer_output else 0
     n_targets = len(model.peft_config["default"].target_modules)
     assert calls.count(True) == 2 * n_targets - skipped and calls.count(False) == skipped, calls
     # the first pass runs without grad and calls the forward directly; only the recompute builds a graph

@@ -224,7 +224,7 @@ def test_host_embedding_8b_gathers_exactly_from_pinned_memory_without_syncing():
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
 def test_auto_on_gpu_bf16_tiny_model(family):
     from slimtune.kernels import apply_kernels
-    from slimtune.tiny import build_model
+    from slimtune.models.tiny import build_model
 
     model = build_model(family, 512, num_hidden_layers=2).to(_cuda(), torch.bfloat16).train()
     ids = torch.randint(0, 512, (2, 64), device=_cuda())
@@ -252,7 +252,7 @@ def test_auto_on_gpu_qlora_tiny_model(tmp_path):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from slimtune.kernels import apply_kernels
-    from slimtune.tiny import save_tiny
+    from slimtune.models.tiny import save_tiny
 
     path = save_tiny(tmp_path / "llama", "llama", num_hidden_layers=2)
     quant = BitsAndBytesConfig(

@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 
 from slimtune.kernels import apply_kernels
 from slimtune.kernels.host_embedding import gather_rows, reference_gather_rows
-from slimtune.tiny import build_model
+from slimtune.models.tiny import build_model
 
 
 def test_gather_rows_is_exact():

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from slimtune.families import FAMILIES, text_fields
+from slimtune.models.families import FAMILIES, text_fields
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Using a finished run: generating and chatting with its model, and evaluating it."""

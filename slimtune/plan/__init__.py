@@ -1,0 +1,1 @@
+"""What a run will do, decided from the spec before any model loads: run plan, train settings, fit."""

@@ -1,0 +1,144 @@
+"""The packed_sft settings of one training attempt, decided in one place: `resolve_train`.
+
+The flow's packed_sft task, `slimtune plan`, attach_lora and every torchrun rank read their micro-batch,
+accumulation, checkpointing, kernels, varlen attention, CUDA graphs and memory estimate from here, so the
+micro-batch the planner reports, the checkpointing attach_lora sets up and the kernels the guard's estimate
+assumes cannot drift apart. A root module beside `slimtune.plan.fit` (whose search primitives it uses, and which
+calls it): inside train/ the two would make an import cycle through that folder (tests/test_import_graph.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from slimtune.kernels.apply import expected_kernels
+from slimtune.memory.downshift import downshift_train
+from slimtune.memory.estimate import Estimate
+from slimtune.plan.fit import auto_micro_batch, train_estimate
+from slimtune.spec.schema import PipelineSpec, TrainSpec
+from slimtune.train.step.attention import varlen_expected
+
+# DDP and FSDP want every parameter on the rank's GPU (they check device types and broadcast or shard them
+# at wrap time); the guard's estimate for a multi-GPU run leaves these kernels out too.
+MULTI_GPU_EXCLUDED_KERNELS = {"host_embedding": "train.num_gpus > 1: DDP/FSDP keep every parameter on the rank's GPU"}
+# FSDP1 (flat parameters) replaces each weight by a plain view of its unit's flat parameter, valid only while
+# that unit computes: lora_nf4 reads `base_layer.weight.quant_state` (gone from the view; bitsandbytes' own
+# forward restores it from the module) and the LoRA weights, which are FSDP units of their own, from the
+# outer layer's forward (sharded there).
+FSDP_EXCLUDED_KERNELS = {
+    **MULTI_GPU_EXCLUDED_KERNELS,
+    "lora_nf4": "train.parallelism fsdp: FSDP1 flattens the NF4 weight (its quant_state is gone) and shards "
+    "the LoRA weights the kernel reads",
+}
+
+
+def excluded_kernels(train: TrainSpec) -> dict[str, str]:
+    """Kernels this run leaves out, with why (attach_lora applies, the estimate assumes the same)."""
+    if train.sharded:
+        return FSDP_EXCLUDED_KERNELS
+    return MULTI_GPU_EXCLUDED_KERNELS if train.num_gpus > 1 else {}
+
+
+def run_kernels(train: TrainSpec, device_type: str, model_type: str | None) -> list[str]:
+    """The kernels a run of this family on `device_type` is expected to apply, less those it leaves out."""
+    excluded = excluded_kernels(train)
+    return [k for k in expected_kernels(train.kernels, device_type, model_type) if k not in excluded]
+
+
+def rank_checkpointing(train: TrainSpec, mode: bool | str) -> bool | str:
+    """The checkpointing a rank runs: under FSDP "unsloth" becomes standard (non-reentrant) checkpointing.
+
+    "unsloth" runs each layer under no_grad and hands `layer.parameters()` to an autograd Function that
+    re-runs the layer in its backward; under FSDP1 those are the nested LoRA units' sharded flat parameters,
+    gathered and reduced by FSDP's hooks around a recompute they were not written for: not verified, so
+    offloaded checkpointing is not offered under FSDP yet. Standard checkpointing recomputes through the
+    module calls inside the layer's FSDP unit, as Answer.AI's fsdp_qlora does.
+    """
+    if train.sharded and mode == "unsloth":
+        return True
+    return mode
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What one packed_sft attempt runs with.
+
+    Attributes:
+        micro_batch: rows per forward pass (`micro_batch_size: auto` chooses it; each retry halves it).
+        grad_accum: micro-batches per optimizer step (the effective batch stays the same).
+        checkpointing: the gradient checkpointing every process runs (`rank_checkpointing` of the downshifted mode).
+        kernels: the kernels the estimate assumes applied (`run_kernels`).
+        kernels_excluded: kernels this run leaves out, with why (attach_lora passes them to `apply_kernels`).
+        varlen: whether attention is expected to run varlen flash on packed rows (what the estimate assumes).
+        cuda_graphs: whether to capture the layers' backward as CUDA graphs.
+        estimate: the packed_sft memory estimate at these settings, graphs included where they are on (the guard's).
+        base_estimate: the estimate without the graphs' extra: what fitting is decided on (the planner's).
+        auto_note: how `auto` chose the micro-batch (None for a fixed one).
+        downshift_notes: what each retry changed (empty on the first attempt).
+        graphs_off: why CUDA graphs are off although `train.cuda_graphs` asks for them (None otherwise).
+    """
+
+    micro_batch: int
+    grad_accum: int
+    checkpointing: bool | str
+    kernels: tuple[str, ...]
+    kernels_excluded: dict[str, str]
+    varlen: bool
+    cuda_graphs: bool
+    estimate: Estimate
+    base_estimate: Estimate
+    auto_note: str | None = None
+    downshift_notes: tuple[str, ...] = ()
+    graphs_off: str | None = None
+
+
+def resolve_train(
+    spec: PipelineSpec,
+    cfg: dict,
+    device_type: str,
+    *,
+    attempt: int = 1,
+    fits: Callable[[Estimate], bool] | None = None,
+) -> TrainSettings:
+    """The settings of packed_sft attempt `attempt` of `spec` on a model of config.json `cfg`.
+
+    Args:
+        device_type: "cuda" or "cpu"; may be one this machine lacks (the planner's "cuda").
+        attempt: 1 as configured; each retry after running out of memory downshifts (`downshift_train`).
+        fits: whether an estimate fits the GPU budget now; None: no budget to hold it to (everything fits).
+
+    Raises:
+        DownshiftExhausted: `attempt` is past the last downshift.
+    """
+    fits = fits or (lambda est: True)
+    train, ckpt = spec.train, spec.lora.gradient_checkpointing
+    micro_batch, grad_accum, auto_note = train.micro_batch_size, train.gradient_accumulation_steps, None
+    if micro_batch == "auto":
+        micro_batch, grad_accum, auto_note = auto_micro_batch(
+            train, lambda mb: fits(train_estimate(spec, cfg, mb, ckpt, device_type))
+        )
+    shift = downshift_train(micro_batch, grad_accum, ckpt, attempt)
+    estimate = functools.partial(train_estimate, spec, cfg, shift.micro_batch, shift.checkpointing, device_type)
+    # CUDA graphs of the layers' backward hold a recomputed layer in a pool of their own: an extra, used only on
+    # the first attempt and where the estimate with them fits
+    graphs = train.cuda_graphs and attempt == 1 and fits(estimate(cuda_graphs=True))
+    graphs_off = None
+    if train.cuda_graphs and not graphs:
+        retry = attempt > 1
+        graphs_off = "a retry after running out of memory" if retry else "the estimate with them exceeds the budget"
+    return TrainSettings(
+        micro_batch=shift.micro_batch,
+        grad_accum=shift.grad_accum,
+        checkpointing=rank_checkpointing(train, shift.checkpointing),
+        kernels=tuple(run_kernels(train, device_type, cfg.get("model_type"))),
+        kernels_excluded=excluded_kernels(train),
+        varlen=varlen_expected(cfg, device_type, spec.data.packing),
+        cuda_graphs=graphs,
+        estimate=estimate(cuda_graphs=graphs),
+        base_estimate=estimate(),
+        auto_note=auto_note,
+        downshift_notes=shift.notes,
+        graphs_off=graphs_off,
+    )
