@@ -79,6 +79,20 @@ def test_refusals_name_the_reason() -> None:
         assert reason is not None and ("dropout" in reason or "CUDA" in reason)
 
 
+def test_gemma4_layers_stay_eager_for_their_shared_key_value_states() -> None:
+    """Gemma 4 layers write their keys and values into a dict later layers read (`shared_kv_states`): a replayed
+    backward would not write them, so its layers are refused by name, on any device, before any capture."""
+    model = _lora(family="gemma4_text", num_hidden_layers=3)
+    with enable_checkpointing(model, "unsloth"):
+        reason = graphs_refusal(model)
+        assert reason is not None and "Gemma 4" in reason
+        with graphed_backward(model) as graphs:
+            assert graphs is None
+    llama = _lora(num_hidden_layers=3)
+    with enable_checkpointing(llama, "unsloth"):
+        assert "Gemma 4" not in (graphs_refusal(llama) or "")
+
+
 def test_varlen_batches_of_one_row_count_share_their_shapes() -> None:
     rng = random.Random(0)
     examples = [Example([1] * n, [1] * n) for n in (rng.randint(2, 60) for _ in range(80))]
@@ -168,7 +182,7 @@ def _batches(docs: list[int], seed: int = 0, varlen: bool = True, length: int = 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma4_text"])  # Gemma 4: the test below
 def test_graphed_backward_trains_as_the_eager_backward_does(family: str, monkeypatch) -> None:
     from slimtune.kernels import apply_kernels
     from slimtune.train.step.attention import prefer_varlen

@@ -297,10 +297,12 @@ def graphs_refusal(model: nn.Module) -> str | None:
     if not patched or any(f.mode != "unsloth" for f, _ in patched):
         return 'only layers under "unsloth" checkpointing are captured'
     layers = [layer for _, layer in patched]
+    config = getattr(model, "config", None)
+    if hasattr(config, "num_kv_shared_layers"):  # the layers' `shared_kv_states` argument
+        return "the layers hand key/value states to later ones in a shared dict (Gemma 4); a replay would not fill it"
     device = next((p.device for layer in layers for p in layer.parameters()), torch.device("cpu"))
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
-    config = getattr(model, "config", None)
     dropouts = [m.p for layer in layers for m in layer.modules() if isinstance(m, nn.Dropout) and m.p > 0]
     if dropouts or getattr(config, "attention_dropout", 0.0):
         return "dropout draws new masks each step, which a replayed graph would not"
