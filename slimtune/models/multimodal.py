@@ -26,9 +26,8 @@ class Layout:
     model_type: str  # config.json "model_type"
     architecture: str  # config.json "architectures"[0]
     text_model_type: str  # its text_config's "model_type": a row of slimtune.models.families
-    tiny: dict[
-        str, Any
-    ]  # the tiny checkpoint's config beside its text_config (slimtune.models.tiny.save_tiny_multimodal)
+    # the tiny checkpoint's config beside its text_config (slimtune.models.tiny.save_tiny_multimodal)
+    tiny: dict[str, Any]
 
 
 LAYOUTS: dict[str, Layout] = {
