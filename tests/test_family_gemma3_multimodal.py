@@ -19,7 +19,7 @@ import yaml
 from peft import PeftModel
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, Mistral3ForConditionalGeneration
+from transformers import AutoModelForCausalLM, Mistral3ForConditionalGeneration, Qwen3_5ForConditionalGeneration
 
 from slimtune.cli.main import EXIT_INVALID_SPEC, main
 from slimtune.core import registry
@@ -216,7 +216,8 @@ def _assert_merged_like_peft(base: Path, merged: Path, adapter: Path, n_targets:
     assert merged_config["vision_config"] == config["vision_config"]
     names = checkpoint_names(before)
     vision = set(before) - set(names.values())
-    assert vision and all(k.startswith(("vision_tower.", "multi_modal_projector.")) for k in vision)
+    towers = ("vision_tower.", "multi_modal_projector.", "model.visual.")  # Qwen3.5's tower and merger: visual
+    assert vision and all(k.startswith(towers) for k in vision)
     for key in vision:  # copied through byte for byte
         assert after[key].dtype == before[key].dtype and torch.equal(after[key], before[key]), key
     # peft's own merge of the same adapter into the fp32 language model
@@ -349,3 +350,41 @@ def test_plan_counts_the_vision_weights_the_merge_copies_on_disk(base):
     (merge,) = [r for r in rows if r.stage == "dequant_merge"]
     assert merge.estimate.breakdown["disk: vision tower and projector, copied"] == stored
     assert merge.estimate.disk_bytes > stored
+
+
+def test_qwen35_language_model_loads_merges_and_converts(tmp_path):
+    """The released Qwen3.5 checkpoints' layout (`model.language_model.*`, `model.visual.*`): the hybrid DeltaNet
+    language model alone in NF4, the merge under the checkpoint's own names with the vision tower copied, and its
+    f16 GGUF in llama.cpp (the same stages as Mistral 3's, a random LoRA B standing in for training)."""
+    pytest.importorskip("llama_cpp")
+    base = save_tiny_multimodal(tmp_path / "base", ensure_pretrained("qwen3_5_text"), "qwen3_5")
+    assert check_architecture(json.loads((base / "config.json").read_text())) is None
+    assert any(key.startswith("model.visual.") for key in _tensors(base))
+    spec = _spec(base, tmp_path)
+    adapter = tmp_path / "adapter"
+    try:
+        loaded = load_4bit(spec)
+        assert loaded.model_type == "qwen3_5_text"
+        assert not [n for n, _ in registry.get(loaded.handle).named_parameters() if "visual" in n]
+        lora = attach_lora(spec, loaded.handle)
+        peft_model = registry.get(lora.handle)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+        peft_model.save_pretrained(adapter)
+        n_targets = loaded.linear_4bit
+    finally:
+        registry.release_all()
+    merged = Path(dequant_merge(spec, str(adapter), maximum_memory_usage=0.5).out_dir)
+    _assert_merged_like_peft(base, merged, adapter, n_targets=n_targets)
+    whole = Qwen3_5ForConditionalGeneration.from_pretrained(merged, dtype=torch.float32)
+    alone = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, **text_model_load_kwargs(merged))
+    ids = torch.arange(1, 40).view(1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(alone(ids).logits, whole(input_ids=ids).logits, rtol=0, atol=0)
+    [path] = convert_hf_to_gguf(merged, tmp_path / "qwen35-f16.gguf", "f16")
+    report = verify_gguf(path, merged, PROMPTS)
+    assert report["token_ids_equal"] and report["argmax_agreement"] >= 0.97, report
+    assert 1e-7 < report["max_abs_logit_diff"] < 0.5, report

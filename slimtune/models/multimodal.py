@@ -1,12 +1,13 @@
 """Multimodal checkpoints whose language model is a supported text family: slimtune fine-tunes that model on text.
 
 The vision tower is not loaded at all (text data never reaches it): on text-only input, Gemma 3's
-`Gemma3ForConditionalGeneration` and Mistral 3's `Mistral3ForConditionalGeneration` compute exactly what their
-language model alone (`Gemma3ForCausalLM` / `MistralForCausalLM` on the `text_config`) computes (the tiny models:
-logits equal to the bit), so loading the language model alone is correct and spares the tower's memory (SigLIP in
-Gemma-3-4B: 0.42 B parameters by its vision_config, 0.8 GB in bf16). LoRA, training and
-GGUF then see a plain text family; only the checkpoint keys differ, and this module maps them both ways so
-that the merge writes the checkpoint's own key names and copies the vision weights through untouched.
+`Gemma3ForConditionalGeneration`, Mistral 3's `Mistral3ForConditionalGeneration` and Qwen3.5's
+`Qwen3_5ForConditionalGeneration` compute exactly what their language model alone (`Gemma3ForCausalLM` /
+`MistralForCausalLM` / `Qwen3_5ForCausalLM` on the `text_config`) computes (the tiny models: logits equal to the
+bit), so loading the language model alone is correct and spares the tower's memory (SigLIP in Gemma-3-4B: 0.42 B
+parameters by its vision_config, 0.8 GB in bf16). LoRA, training and GGUF then see a plain text family; only the
+checkpoint keys differ, and this module maps them both ways so that the merge writes the checkpoint's own key names
+and copies the other weights (vision tower, projector, Qwen3.5's multi-token prediction) through untouched.
 """
 
 from __future__ import annotations
@@ -66,6 +67,24 @@ LAYOUTS: dict[str, Layout] = {
                     "patch_size": 14,
                 },
                 "spatial_merge_size": 2,
+            },
+        ),
+        Layout(
+            "qwen3_5",
+            "Qwen3_5ForConditionalGeneration",
+            "qwen3_5_text",
+            # the released Qwen3.5 checkpoints: a ViT with one layer here; 2 x 2 patches merged into one token
+            tiny={
+                "vision_config": {
+                    "depth": 1,
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_heads": 2,
+                    "patch_size": 14,
+                    "spatial_merge_size": 2,
+                    "num_position_embeddings": 16,
+                    "out_hidden_size": 256,  # the tiny language model's hidden size
+                }
             },
         ),
     )
