@@ -216,7 +216,8 @@ def _assert_merged_like_peft(base: Path, merged: Path, adapter: Path, n_targets:
     assert merged_config["vision_config"] == config["vision_config"]
     names = checkpoint_names(before)
     vision = set(before) - set(names.values())
-    towers = ("vision_tower.", "multi_modal_projector.", "model.visual.")  # Qwen3.5's tower and merger: visual
+    # Qwen3.5: its tower and merger under model.visual, its multi-token prediction under mtp
+    towers = ("vision_tower.", "multi_modal_projector.", "model.visual.", "mtp.")
     assert vision and all(k.startswith(towers) for k in vision)
     for key in vision:  # copied through byte for byte
         assert after[key].dtype == before[key].dtype and torch.equal(after[key], before[key]), key
@@ -359,7 +360,11 @@ def test_qwen35_language_model_loads_merges_and_converts(tmp_path):
     pytest.importorskip("llama_cpp")
     base = save_tiny_multimodal(tmp_path / "base", ensure_pretrained("qwen3_5_text"), "qwen3_5")
     assert check_architecture(json.loads((base / "config.json").read_text())) is None
-    assert any(key.startswith("model.visual.") for key in _tensors(base))
+    # the released checkpoints also hold multi-token-prediction weights, which transformers' class does not load
+    [shard] = base.glob("*.safetensors")
+    tensors = _tensors(base)
+    save_file({**tensors, "mtp.fc.weight": torch.randn(256, 512)}, str(shard), metadata={"format": "pt"})
+    assert any(key.startswith("model.visual.") for key in tensors)
     spec = _spec(base, tmp_path)
     adapter = tmp_path / "adapter"
     try:
