@@ -37,9 +37,11 @@ class _Documents:
 
 def isolate_documents(model: torch.nn.Module) -> KernelPatch:
     """Run `model`'s Gated DeltaNet mixers one document at a time on packed rows (idempotent); undo restores."""
+    patch = KernelPatch()
+    if "linear_attention" not in (getattr(model.config, "layer_types", None) or ()):
+        return patch  # no recurrent layer: nothing to keep apart, nothing to import
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, Qwen3_5TextModel
 
-    patch = KernelPatch()
     for text_model in [m for m in model.modules() if isinstance(m, Qwen3_5TextModel)]:
         if getattr(text_model, _MARK, False):
             continue
