@@ -26,8 +26,8 @@ from slimtune.export import convert_hf_to_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-# vocabulary -> the slimtune family its model is built as (Qwen3.5 by Qwen3: slimtune has no qwen3_5 family yet,
-# and the tokenizer half of the GGUF does not depend on the architecture).
+# vocabulary -> the slimtune family its model is built as (Qwen3.5's on a Qwen3 model: the tokenizer half of the
+# GGUF does not depend on the architecture, and the qwen3_5_text family's own GGUF is tests/test_family_qwen35.py's).
 VOCABS = {
     "llama-bpe": "llama",
     "llama-spm": "llama",
