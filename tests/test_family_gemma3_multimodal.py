@@ -301,20 +301,17 @@ def test_gguf_of_the_language_model_runs_in_llama_cpp(run, tmp_path, out_type):
     assert report["argmax_agreement"] >= 0.97 and low < report["max_abs_logit_diff"] < high, report
 
 
-def test_mistral3_language_model_loads_merges_and_converts(tmp_path):
-    """Mistral-Small-3.1/3.2's layout (Pixtral tower, untied head): the same stages without the training run (a
-    random non-zero LoRA B stands in for it)."""
-    pytest.importorskip("llama_cpp")
-    base = save_tiny_multimodal(tmp_path / "base", ensure_pretrained("mistral", "llama2"), "mistral3")
-    assert check_architecture(json.loads((base / "config.json").read_text())) is None
+def _merge_a_random_adapter(base: Path, tmp_path: Path, text_model_type: str, linears: int) -> Path:
+    """load_4bit, attach_lora and dequant_merge of `base`, a random non-zero LoRA B standing in for training; checks
+    the language model loads alone in NF4 (`linears` 4-bit linears, no vision parameter) and the merge is peft's."""
     spec = _spec(base, tmp_path)
     adapter = tmp_path / "adapter"
     try:
         loaded = load_4bit(spec)
-        assert loaded.model_type == "mistral" and loaded.linear_4bit == 7 * 4
-        assert not [n for n, _ in registry.get(loaded.handle).named_parameters() if "vision" in n or "projector" in n]
-        lora = attach_lora(spec, loaded.handle)
-        peft_model = registry.get(lora.handle)
+        assert loaded.model_type == text_model_type and loaded.linear_4bit == linears
+        names = [n for n, _ in registry.get(loaded.handle).named_parameters()]
+        assert not [n for n in names if "vision" in n or "projector" in n or "visual" in n]
+        peft_model = registry.get(attach_lora(spec, loaded.handle).handle)
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for name, p in peft_model.named_parameters():
@@ -324,20 +321,34 @@ def test_mistral3_language_model_loads_merges_and_converts(tmp_path):
     finally:
         registry.release_all()
     merged = Path(dequant_merge(spec, str(adapter), maximum_memory_usage=0.5).out_dir)
-    _assert_merged_like_peft(base, merged, adapter, n_targets=7 * 4)
-    assert "language_model.lm_head.weight" in _tensors(merged)  # untied: the head is the checkpoint's own tensor
-    # no Auto class loads Mistral3ForConditionalGeneration as a causal LM: its own class, against the text model
-    whole = Mistral3ForConditionalGeneration.from_pretrained(merged, dtype=torch.float32)
+    _assert_merged_like_peft(base, merged, adapter, n_targets=linears)
+    return merged
+
+
+def _assert_alone_is_whole_and_f16_verifies(merged: Path, whole_class, tmp_path: Path) -> None:
+    """The language model alone computes the whole merged checkpoint's logits to the bit, and its f16 GGUF runs
+    in llama.cpp, held to the text families' f16 bar (tests/test_gguf_quant_verify.py)."""
+    whole = whole_class.from_pretrained(merged, dtype=torch.float32)
     alone = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, **text_model_load_kwargs(merged))
     ids = torch.arange(1, 40).view(1, -1)
     with torch.no_grad():
         torch.testing.assert_close(alone(ids).logits, whole(input_ids=ids).logits, rtol=0, atol=0)
-    [path] = convert_hf_to_gguf(merged, tmp_path / "mistral3-f16.gguf", "f16")
+    [path] = convert_hf_to_gguf(merged, tmp_path / "merged-f16.gguf", "f16")
     report = verify_gguf(path, merged, PROMPTS)
-    # f16 against the fp32 language model, held to the text families' f16 bar (tests/test_gguf_quant_verify.py);
-    # measured 0.10 off HF (the text mistral's own f16 file: up to 0.19), HF's next token at 124 of 125 positions
     assert report["token_ids_equal"] and report["argmax_agreement"] >= 0.97, report
     assert 1e-7 < report["max_abs_logit_diff"] < 0.5, report
+
+
+def test_mistral3_language_model_loads_merges_and_converts(tmp_path):
+    """Mistral-Small-3.1/3.2's layout (Pixtral tower, untied head): the same stages without the training run.
+    f16 measured 0.10 off HF (the text mistral's own f16 file: up to 0.19), HF's next token at 124 of 125 positions."""
+    pytest.importorskip("llama_cpp")
+    base = save_tiny_multimodal(tmp_path / "base", ensure_pretrained("mistral", "llama2"), "mistral3")
+    assert check_architecture(json.loads((base / "config.json").read_text())) is None
+    merged = _merge_a_random_adapter(base, tmp_path, "mistral", linears=7 * 4)
+    assert "language_model.lm_head.weight" in _tensors(merged)  # untied: the head is the checkpoint's own tensor
+    # no Auto class loads Mistral3ForConditionalGeneration as a causal LM: its own class, against the text model
+    _assert_alone_is_whole_and_f16_verifies(merged, Mistral3ForConditionalGeneration, tmp_path)
 
 
 def test_plan_counts_the_vision_weights_the_merge_copies_on_disk(base):
@@ -354,9 +365,9 @@ def test_plan_counts_the_vision_weights_the_merge_copies_on_disk(base):
 
 
 def test_qwen35_language_model_loads_merges_and_converts(tmp_path):
-    """The released Qwen3.5 checkpoints' layout (`model.language_model.*`, `model.visual.*`): the hybrid DeltaNet
-    language model alone in NF4, the merge under the checkpoint's own names with the vision tower copied, and its
-    f16 GGUF in llama.cpp (the same stages as Mistral 3's, a random LoRA B standing in for training)."""
+    """The released Qwen3.5 checkpoints' layout (`model.language_model.*`, `model.visual.*`, `mtp.*`): the hybrid
+    DeltaNet language model alone in NF4 (4 layers: 7 projections in the attention one, 8 in each DeltaNet one), the
+    merge under the checkpoint's own names with the tower and the multi-token prediction copied, its f16 GGUF."""
     pytest.importorskip("llama_cpp")
     base = save_tiny_multimodal(tmp_path / "base", ensure_pretrained("qwen3_5_text"), "qwen3_5")
     assert check_architecture(json.loads((base / "config.json").read_text())) is None
@@ -365,31 +376,5 @@ def test_qwen35_language_model_loads_merges_and_converts(tmp_path):
     tensors = _tensors(base)
     save_file({**tensors, "mtp.fc.weight": torch.randn(256, 512)}, str(shard), metadata={"format": "pt"})
     assert any(key.startswith("model.visual.") for key in tensors)
-    spec = _spec(base, tmp_path)
-    adapter = tmp_path / "adapter"
-    try:
-        loaded = load_4bit(spec)
-        assert loaded.model_type == "qwen3_5_text"
-        assert not [n for n, _ in registry.get(loaded.handle).named_parameters() if "visual" in n]
-        lora = attach_lora(spec, loaded.handle)
-        peft_model = registry.get(lora.handle)
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in peft_model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
-        peft_model.save_pretrained(adapter)
-        n_targets = loaded.linear_4bit
-    finally:
-        registry.release_all()
-    merged = Path(dequant_merge(spec, str(adapter), maximum_memory_usage=0.5).out_dir)
-    _assert_merged_like_peft(base, merged, adapter, n_targets=n_targets)
-    whole = Qwen3_5ForConditionalGeneration.from_pretrained(merged, dtype=torch.float32)
-    alone = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, **text_model_load_kwargs(merged))
-    ids = torch.arange(1, 40).view(1, -1)
-    with torch.no_grad():
-        torch.testing.assert_close(alone(ids).logits, whole(input_ids=ids).logits, rtol=0, atol=0)
-    [path] = convert_hf_to_gguf(merged, tmp_path / "qwen35-f16.gguf", "f16")
-    report = verify_gguf(path, merged, PROMPTS)
-    assert report["token_ids_equal"] and report["argmax_agreement"] >= 0.97, report
-    assert 1e-7 < report["max_abs_logit_diff"] < 0.5, report
+    merged = _merge_a_random_adapter(base, tmp_path, "qwen3_5_text", linears=31)
+    _assert_alone_is_whole_and_f16_verifies(merged, Qwen3_5ForConditionalGeneration, tmp_path)
