@@ -120,6 +120,20 @@ def test_out_of_memory_in_a_worker_becomes_retriable(tmp_path):
         ranks._raise_worker_error(tmp_path, 1, [])
 
 
+def test_the_rank_that_failed_first_is_the_one_reported(tmp_path):
+    """Rank 1 dies of its own error; rank 0 then fails on the closed connection and writes its file last: the
+    message names rank 1's error, not gloo's consequence of it."""
+    for rank, kind, message, at in (
+        (0, "RuntimeError", "[gloo/transport/tcp/pair.cc:553] Connection closed by peer", 200.0),
+        (1, "DataError", "data.path: bad row 7", 100.0),
+    ):
+        (tmp_path / f"error-rank{rank}.json").write_text(
+            json.dumps({"rank": rank, "type": kind, "message": message, "oom": False, "at": at})
+        )
+    with pytest.raises(RuntimeError, match=r"rank 1: DataError: data.path: bad row 7 \(then rank 0: RuntimeError\)$"):
+        ranks._raise_worker_error(tmp_path, 1, [])
+
+
 @pytest.mark.parametrize(
     "device,message",
     [

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from slimtune.spec.schema import PipelineSpec
 log = logging.getLogger(__name__)
 
 RESULT_FILE = "result.json"
+# Set in torchrun's rendezvous store by rank 0 once it has written the result (see `_leave_together`).
+_DONE_KEY = "slimtune/rank0-done"
 # Lines of the workers' output kept for the error message of a failed launch.
 _TAIL_LINES = 40
 
@@ -178,9 +181,16 @@ def _run(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
 
 
 def _raise_worker_error(job_dir: Path, returncode: int, tail: list[str]) -> None:
-    errors = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(job_dir.glob("error-rank*.json"))]
+    """Raise the error of the rank that failed first: when one rank dies, the others fail next with gloo's or
+    NCCL's "connection closed by peer", which says nothing of the cause."""
+    errors = [json.loads(p.read_text(encoding="utf-8")) for p in job_dir.glob("error-rank*.json")]
+    errors.sort(key=lambda e: (e.get("at", 0.0), e["rank"]))
     first = errors[0] if errors else None
-    where = f"rank {first['rank']}: {first['type']}: {first['message']}" if first else "\n".join(tail[-15:])
+    if first:
+        others = ", ".join(f"rank {e['rank']}: {e['type']}" for e in errors[1:])
+        where = f"rank {first['rank']}: {first['type']}: {first['message']}" + (f" (then {others})" if others else "")
+    else:  # killed without a word (a signal, the OOM killer): torchrun's own summary names the rank and signal
+        where = "\n".join(tail[-15:])
     message = f"DDP training failed (torchrun exit code {returncode}); {where}"
     if any(e["oom"] for e in errors):
         raise torch.OutOfMemoryError(message)
@@ -234,6 +244,22 @@ def _budget(spec: PipelineSpec) -> float | None:
     return spec.guard.gpu_memory_fraction if spec.guard.enabled else None
 
 
+def _leave_together(rank: int) -> None:
+    """Keep the other ranks' connections open until rank 0 has finished its last collective.
+
+    A rank that leaves right after the final all-gather closes its sockets while rank 0 may not have read that
+    all-gather's data yet; gloo then fails rank 0 with "Connection closed by peer" (seen once in ~50 CPU runs).
+    The rendezvous store torchrun serves outlives every rank, so the wait goes through it, not the process group.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    if rank == 0:
+        store.set(_DONE_KEY, "1")
+    else:
+        store.wait([_DONE_KEY])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of one torchrun worker: `python -m slimtune.flows JOB_DIR`."""
     import torch.distributed as dist
@@ -265,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokens_per_s_all_ranks=sum(r["tokens_per_s"] for r in ranks),
             )
             atomic.write_json(job_dir / RESULT_FILE, report)
+        _leave_together(rank)
     except BaseException as e:
         from slimtune.memory.errors import classify
 
@@ -275,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                 "type": type(e).__name__,
                 "message": str(e).strip()[:2000],
                 "oom": classify(e),
+                "at": time.time(),
                 "traceback": traceback.format_exc()[-4000:],
             },
         )
