@@ -23,6 +23,7 @@ import pytest
 from llama_cpp_assets import vocab
 
 from slimtune.export import convert_hf_to_gguf
+from slimtune.export.gguf_header import read_header
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -67,46 +68,9 @@ _BYTE_LEVEL = {
 
 def _gguf_vocab(path: Path) -> tuple[list[str], list[int], list[str], dict]:
     """(tokens, token types, merges, the other tokenizer keys) of a vocab GGUF."""
-    kv = _gguf_kv(path)
+    kv = read_header(path).kv
     scalars = {k: v for k, v in kv.items() if k.endswith(("_token_id", "add_bos_token"))}
     return kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"], kv.get("tokenizer.ggml.merges", []), scalars
-
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-def _gguf_kv(path: Path) -> dict:
-    """The key-value header of a GGUF. gguf's GGUFReader takes ~120 s on two cores for Gemma 4's 262k tokens and
-    515k merges (a numpy view per string); reading the format directly takes a few seconds."""
-    buf = path.read_bytes()
-    pos = 24  # magic, version, tensor count
-
-    def take(fmt: str):
-        nonlocal pos
-        (value,) = struct.unpack_from(fmt, buf, pos)
-        pos += struct.calcsize(fmt)
-        return value
-
-    def string() -> str:
-        nonlocal pos
-        size = take("<Q")
-        pos += size
-        return buf[pos - size : pos].decode("utf-8")
-
-    def value(kind: int):
-        if kind == 8:
-            return string()
-        if kind == 9:
-            item, count = take("<I"), take("<Q")
-            return [value(item) for _ in range(count)]
-        return take(_SCALARS[kind])
-
-    count = struct.unpack_from("<Q", buf, 16)[0]
-    kv = {}
-    for _ in range(count):
-        key = string()
-        kv[key] = value(take("<I"))
-    return kv
 
 
 def _hf_from_tokens(tokens, types, merges, scalars, backend):
@@ -187,7 +151,7 @@ def _varint(value: int) -> bytes:
 def _write_sentencepiece_model(path: Path, gguf_path: Path) -> None:
     """tokenizer.model (SentencePiece ModelProto) of a SentencePiece vocab GGUF: its pieces, scores and types, a
     BPE model with byte fallback, and Llama 2's normalizer spec (identity, dummy prefix, spaces kept)."""
-    kv = _gguf_kv(gguf_path)
+    kv = read_header(gguf_path).kv
     pieces, scores, types = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.scores"], kv["tokenizer.ggml.token_type"]
     out = bytearray()
     for piece, score, kind in zip(pieces, scores, types):
@@ -305,7 +269,7 @@ def test_as_is_writes_the_closest_vocabulary_and_measures_the_mismatch(tmp_path)
         model_dir
     )
     [path] = convert_hf_to_gguf(model_dir, tmp_path / "m.gguf", "q8_0", tokenizer_as_is=True)
-    assert _gguf_kv(path)["tokenizer.ggml.pre"] == "default"
+    assert read_header(path).kv["tokenizer.ggml.pre"] == "default"
     check = check_tokenizer_export(model_dir, strict=False)
     assert not check.exact and "Lowercase" in check.reasons[0]
     assert check.texts > 0 and 0 < check.mismatched <= check.texts  # the check texts have capitals
@@ -353,14 +317,13 @@ def test_slimtune_run_exports_the_real_vocabulary(name, runs):
     assert done.returncode == 0, done.stderr[-3000:]
     for out_type in ("f16", "q8_0"):
         gguf_path = run_dir / "gguf" / f"real-{name}-{out_type}.gguf"
-        written = _gguf_kv(gguf_path)
+        written = read_header(gguf_path).kv
         assert (written["tokenizer.ggml.model"], written.get("tokenizer.ggml.pre")) == WRITTEN_AS[name]
         if name == "llama-spm":  # from tokenizer.model: sentencepiece's own scores, not ones derived from merges
-            assert written["tokenizer.ggml.scores"] == _gguf_kv(path)["tokenizer.ggml.scores"]
+            assert written["tokenizer.ggml.scores"] == read_header(path).kv["tokenizer.ggml.scores"]
         llm = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
         got = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
         llm.close()
         bad = [(t, g, r) for t, g, r in zip(texts, got, reference) if g != r]
-        print(f"{name} {out_type}: llama.cpp ids = reference on {len(texts) - len(bad)}/{len(texts)} strings")
         print(f"{name} {out_type}: llama.cpp ids = reference on {len(texts) - len(bad)}/{len(texts)} strings")
         assert not bad, f"{name} {out_type}: {len(bad)}/{len(texts)} differ, first {bad[0]}"

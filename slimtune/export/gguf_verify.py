@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from slimtune.export.gguf_header import GGUFHeaderError, read_header
 from slimtune.export.gguf_quantize import require_llama_cpp
 from slimtune.models.multimodal import text_model_load_kwargs
 
@@ -31,14 +32,11 @@ class GGUFVerifyError(RuntimeError):
 def check_complete(gguf_path: Path) -> list[Path]:
     """Check that `gguf_path` (and every shard of a split file) is a whole GGUF; return the files checked.
 
-    llama.cpp reports a cut-short file as a bare "failed to load model", and gguf's reader fails deep in
-    numpy with a reshape error; this names the file and what to do.
+    llama.cpp reports a cut-short file as a bare "failed to load model"; this names the file and what to do.
 
     Raises:
         GGUFVerifyError: a file is missing, truncated or has a corrupt header.
     """
-    from gguf import GGUFReader
-
     gguf_path = Path(gguf_path)
     match = _SHARD.match(gguf_path.name)
     files = (
@@ -52,14 +50,16 @@ def check_complete(gguf_path: Path) -> list[Path]:
     for file in files:
         if not file.is_file():
             raise GGUFVerifyError(f"GGUF file {file} is missing; re-run the conversion")
+        size = file.stat().st_size
         try:
-            GGUFReader(file)
-        except Exception as exc:  # numpy/struct errors from deep inside the reader on a short file
+            end = read_header(file).data_end
+            problem = f"its tensors end at byte {end}" if size < end else None
+        except GGUFHeaderError as exc:
+            problem = str(exc)
+        if problem:
             raise GGUFVerifyError(
-                f"GGUF file {file} ({file.stat().st_size} bytes) is truncated or corrupt: "
-                f"gguf's reader failed ({type(exc).__name__}: {exc}); re-run the "
-                "conversion"
-            ) from exc
+                f"GGUF file {file} ({size} bytes) is truncated or corrupt: {problem}; re-run the conversion"
+            )
     return files
 
 
