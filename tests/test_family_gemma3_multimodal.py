@@ -30,7 +30,7 @@ from slimtune.merge.nf4 import TRAINING_NF4, quantized_tensor_names
 from slimtune.models.families import check_architecture
 from slimtune.models.multimodal import LAYOUTS, checkpoint_names, copied_bytes, text_key, text_model_load_kwargs
 from slimtune.models.tiny import DATA_FILE, ensure_pretrained, save_tiny_multimodal
-from slimtune.plan.fit import Budget, plan
+from slimtune.plan.fit import Budget, plan, stored_tensor_bytes
 from slimtune.spec.schema import DataSpec, ModelSpec, PipelineSpec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.dequant_merge import dequant_merge
@@ -356,11 +356,11 @@ def test_plan_counts_the_vision_weights_the_merge_copies_on_disk(base):
     their bytes, as the checkpoint's own files hold them (not only the language model's)."""
     config = json.loads((base / "config.json").read_text())
     stored = sum(t.numel() * t.element_size() for key, t in _tensors(base).items() if text_key(key) is None)
-    assert stored > 0 and copied_bytes(config) == stored
     spec = PipelineSpec.model_validate({"name": "g", "model": {"name_or_path": str(base)}, "data": {"path": "x"}})
+    assert stored > 0 and copied_bytes(config, stored_tensor_bytes(spec)) == stored
     rows, _ = plan(spec, config, Budget(None, None, None))
     (merge,) = [r for r in rows if r.stage == "dequant_merge"]
-    assert merge.estimate.breakdown["disk: vision tower and projector, copied"] == stored
+    assert merge.estimate.breakdown["disk: weights copied as stored (vision tower, projector, mtp)"] == stored
     assert merge.estimate.disk_bytes > stored
 
 

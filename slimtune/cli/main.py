@@ -205,12 +205,11 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "plan":
         from slimtune.plan.fit import detected_budget, model_config, plan, render
 
-        try:
-            cfg = model_config(spec)
+        budget = detected_budget(spec, args.gpu_memory, args.host_memory)
+        try:  # plan reads a multimodal checkpoint's safetensors headers too
+            rows, limits = plan(spec, model_config(spec), budget)
         except ModelSourceError as e:
             return _fail(e, EXIT_INVALID_SPEC)
-        budget = detected_budget(spec, args.gpu_memory, args.host_memory)
-        rows, limits = plan(spec, cfg, budget)
         print(render(spec, rows, limits, budget))
         return 0 if all(r.gpu_fits is not False and r.host_fits is not False for r in rows) else 1
     if args.command == "deploy":

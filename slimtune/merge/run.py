@@ -14,17 +14,16 @@ import torch
 from slimtune.core import atomic
 from slimtune.memory.sampler import PeakSampler
 from slimtune.merge.budgets import OutputShard, plan_shards, preflight_disk, resolve_budgets, spill_bound
-from slimtune.models.multimodal import checkpoint_names, layout_of, text_key
+from slimtune.models.multimodal import checkpoint_names, copied_keys, layout_of
 
 from .errors import AlreadyMergedError, MergeError
 from .lora_delta import ADAPTER_FILES, check_against_base, load_adapter
 from .manifest import MANIFEST, MARKER, adapter_digest, hash_files, read_manifest, reusable, write_manifest
 from .nf4 import QuantSpec, quantized_tensor_names
 from .prequantized import is_prequantized, split_stored_4bit
-from .safetensors_io import DTYPES, FLOAT16_32, TensorEntry, read_entries
+from .safetensors_io import DTYPES, FLOAT16_32, INDEX, TensorEntry, checkpoint_shards, read_entries
 from .stream import HeldTensors, TensorMerger, merge_shards
 
-INDEX = "model.safetensors.index.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 _DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -59,12 +58,7 @@ class MergeReport:
 
 
 def _base_checkpoint(base_dir: Path) -> tuple[list[Path], list[TensorEntry]]:
-    index = base_dir / INDEX
-    if index.is_file():
-        files = list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
-        shards = [base_dir / f for f in files]
-    else:
-        shards = sorted(base_dir.glob("*.safetensors"))
+    shards = checkpoint_shards(base_dir)
     if not shards:
         raise MergeError(
             f"{base_dir} holds no safetensors weights; merge needs the base model's safetensors "
@@ -150,10 +144,9 @@ def merge_adapter(
     prequantized = is_prequantized(config)
     entries, stored_4bit = split_stored_4bit(entries) if prequantized else (entries, {})
     # a multimodal checkpoint's language model was trained alone: its names -> the checkpoint's keys; every other
-    # tensor (vision tower, projector) is copied through as stored
-    multimodal = layout_of(config) is not None
-    names = checkpoint_names(e.name for e in entries) if multimodal else {}
-    kept = frozenset(e.name for e in entries if multimodal and text_key(e.name) is None)
+    # tensor (vision tower, projector, mtp) is copied through as stored
+    names = checkpoint_names(e.name for e in entries) if layout_of(config) is not None else {}
+    kept = frozenset(copied_keys(config, (e.name for e in entries)))
     adapter = load_adapter(adapter_dir).renamed(names)
     check_against_base(adapter, {e.name: e for e in entries})
     source_used = _resolve_source(source, prequantized, entries, base_dir)

@@ -37,6 +37,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 FLOAT16_32 = ("F16", "BF16", "F32")  # the dtypes a mergeable 16-bit (or fp32) checkpoint is stored in
+INDEX = "model.safetensors.index.json"
 _CHUNK = 64 * 1024**2  # write granularity: large enough for sequential disk throughput, small for RSS
 
 
@@ -82,6 +83,16 @@ def read_entries(path: Path) -> list[TensorEntry]:
         if name != "__metadata__"
     ]
     return sorted(entries, key=lambda e: e.start)
+
+
+def checkpoint_shards(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names (a folder may hold others, as Mistral's
+    `consolidated.safetensors` beside the shards), else every one in the folder. The merge reads these; `plan`
+    and load_4bit count the same tensors."""
+    index = model_dir / INDEX
+    if index.is_file():
+        return [model_dir / f for f in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
+    return sorted(model_dir.glob("*.safetensors"))
 
 
 def read_raw(entry: TensorEntry, out: torch.Tensor | None = None) -> torch.Tensor:

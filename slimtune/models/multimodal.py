@@ -99,6 +99,16 @@ _TEXT_PREFIXES = (
     ("model.language_model.", "model."),
     ("lm_head.", "lm_head."),
 )
+# The layouts' weights outside the language model, by key prefix in either layout: Gemma 3's and Mistral 3's tower
+# and projector, Qwen3.5's tower with its merger (model.visual) and its multi-token prediction
+_COPIED_PARTS = {
+    "vision_tower.": "vision tower",
+    "multi_modal_projector.": "vision tower",
+    "model.vision_tower.": "vision tower",
+    "model.multi_modal_projector.": "vision tower",
+    "model.visual.": "vision tower",
+    "mtp.": "mtp",
+}
 # transformers' `key_mapping` (regex on checkpoint keys) that loads the text model alone from such a checkpoint
 KEY_MAPPING: dict[str, str] = {f"^{re.escape(ours)}": text for ours, text in _TEXT_PREFIXES if ours != text}
 
@@ -149,19 +159,23 @@ def trained_config(config: dict[str, Any]) -> dict[str, Any]:
     return text_model_config(config) if layout_of(config) else config
 
 
-def copied_bytes(config: dict[str, Any]) -> int:
-    """Bytes of the weights a merge copies as stored: the vision tower and projector of a multimodal checkpoint
-    (~10% of Gemma-3-4B), 0 for a text model. Counted on the meta device: nothing is allocated or read."""
-    if layout_of(config) is None:
-        return 0
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+def copied_keys(config: dict[str, Any], keys: Iterable[str]) -> list[str]:
+    """The checkpoint keys among `keys` that a merge copies as stored: every weight outside a multimodal checkpoint's
+    language model (vision tower, projector, Qwen3.5's multi-token prediction `mtp.*`, which no transformers class
+    loads); none for a text model. The merge copies these, `plan` counts their bytes and load_4bit names them."""
+    return [] if layout_of(config) is None else [key for key in keys if text_key(key) is None]
 
-    with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(**config))
-    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"), torch.bfloat16)
-    count = sum(p.numel() for name, p in model.named_parameters() if text_key(name) is None)
-    return count * dtype.itemsize
+
+def copied_bytes(config: dict[str, Any], tensor_bytes: dict[str, int]) -> int:
+    """Bytes of the weights a merge copies as stored, from the checkpoint's tensors (name -> stored bytes): 0 for
+    a text model; ~10% of Gemma-3-4B (its vision tower), and Qwen3.5's `mtp.*` besides."""
+    return sum(tensor_bytes[key] for key in copied_keys(config, tensor_bytes))
+
+
+def copied_part(key: str) -> str | None:
+    """The known part of a multimodal checkpoint that copied `key` belongs to ("vision tower", its projector
+    included; "mtp"), None for any other key (load_4bit reports those as unexpected)."""
+    return next((part for prefix, part in _COPIED_PARTS.items() if key.startswith(prefix)), None)
 
 
 def _text_architecture(layout: Layout) -> str:

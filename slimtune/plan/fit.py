@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from slimtune.memory.estimate import Estimate, estimate_export, estimate_load_4bit, estimate_merge, estimate_train
-from slimtune.models.multimodal import copied_bytes, trained_config
+from slimtune.models.multimodal import copied_bytes, layout_of, trained_config
 from slimtune.spec.schema import PipelineSpec
 
 _GIB = 1024**3
@@ -77,6 +77,34 @@ def model_config(spec: PipelineSpec) -> dict:
             f"({type(e).__name__}); give a local model directory, or plan where the Hub can be reached"
         ) from None
     return json.loads(Path(config_file).read_text())
+
+
+def stored_tensor_bytes(spec: PipelineSpec) -> dict[str, int]:
+    """Each tensor the spec's model stores -> its bytes, from the safetensors headers alone (a Hub model's are read
+    remotely by range requests, ~100 KB, never its weights): what the merge's copied weights are counted from."""
+    from slimtune.models.source import ModelSourceError, local_model_dir
+    from slimtune.models.tiny import is_builtin
+
+    path = Path(spec.model.name_or_path).expanduser()
+    if path.is_dir() or is_builtin(spec.model.name_or_path):
+        from slimtune.merge.safetensors_io import checkpoint_shards, read_entries
+
+        folder = path if path.is_dir() else local_model_dir(spec.model)
+        return {e.name: e.nbytes for shard in checkpoint_shards(folder) for e in read_entries(shard)}
+    from huggingface_hub import get_safetensors_metadata
+
+    try:
+        meta = get_safetensors_metadata(spec.model.name_or_path, revision=spec.model.revision)
+    except Exception as e:  # offline, gated, no safetensors: one line, as for config.json
+        raise ModelSourceError(
+            f"model.name_or_path: cannot read the safetensors headers of {spec.model.name_or_path!r} from the Hub "
+            f"({type(e).__name__}); give a local model directory, or plan where the Hub can be reached"
+        ) from None
+    return {
+        name: info.data_offsets[1] - info.data_offsets[0]
+        for file in meta.files_metadata.values()
+        for name, info in file.tensors.items()
+    }
 
 
 def detected_gpu_total(gpu_total: int | None) -> int | None:
@@ -197,7 +225,8 @@ def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan]
     """Per-stage estimates with verdicts, and the largest micro-batch and sequence length that fit."""
     from slimtune.plan.train_settings import resolve_train  # here: it loads torch, which reading configs does not need
 
-    copied = copied_bytes(cfg)
+    # a multimodal checkpoint's other weights, which the merge copies: counted by the merge's own rule, on its tensors
+    copied = copied_bytes(cfg, stored_tensor_bytes(spec)) if layout_of(cfg) and spec.merge.enabled else 0
     cfg = trained_config(cfg)  # a multimodal checkpoint: its language model is what is loaded and trained
     device_type = _device_type(spec, budget)
     dtype_bytes = DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
