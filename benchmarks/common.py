@@ -365,7 +365,7 @@ def attach_lora(model: torch.nn.Module, rank: int = LORA_RANK):
     (where the family fuses them, Phi-3's qkv_proj and gate_up_proj, on the fused ones, as slimtune does)."""
     from peft import LoraConfig, get_peft_model
 
-    from slimtune.models.families import lora_target_modules
+    from slimtune.models.lora_targets import lora_target_modules
 
     targets = lora_target_modules(model.config.model_type, list(LORA_TARGETS))
     cfg = LoraConfig(

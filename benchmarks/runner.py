@@ -76,7 +76,7 @@ from benchmarks.common import (
 )
 from benchmarks.product import PRODUCT_CONFIGS, product_worker
 from benchmarks.report import combine_rounds, compute_ratios, render_markdown
-from slimtune.models.families import lora_target_modules
+from slimtune.models.lora_targets import lora_target_modules
 
 # Headline comparison first (baseline, product, hand loop, Unsloth), diagnostics last, so a run cut short by the
 # budget still holds it.

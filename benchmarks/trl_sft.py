@@ -164,7 +164,7 @@ def _load(args: argparse.Namespace, model_dir: Path, result: dict[str, Any]):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slimtune.merge.nf4 import QuantSpec
-    from slimtune.models.families import lora_target_modules
+    from slimtune.models.lora_targets import lora_target_modules
 
     attn = hf_attention(args.hf_attn, args.device)
     model = AutoModelForCausalLM.from_pretrained(

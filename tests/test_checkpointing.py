@@ -7,11 +7,13 @@ import logging
 
 import pytest
 import torch
+from expert_lora import with_expert_lora
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from slimtune.models.families import FAMILIES, lora_target_modules
+from slimtune.models.families import FAMILIES
 from slimtune.models.family_configs import linear_attention_layers
+from slimtune.models.lora_targets import lora_target_modules
 from slimtune.models.tiny import build_model
 from slimtune.train.step.checkpointing import _enable, enable_checkpointing, parameters_from_lists
 
@@ -27,6 +29,7 @@ def _lora_model(family: str, dropout: float = 0.0, device: str = "cpu", **overri
     targets = lora_target_modules(family, _TARGETS)  # Phi-3: qkv_proj, gate_up_proj
     cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=targets, init_lora_weights=False)
     model = get_peft_model(base, cfg)
+    with_expert_lora(model, family, _TARGETS, r=8, alpha=16, dropout=dropout, random_b=torch.Generator().manual_seed(0))
     model.train()
     return model
 
@@ -63,6 +66,8 @@ def test_lora_grads_equal_across_modes_with_dropout(family: str) -> None:
     row = FAMILIES[family]
     layers = row.tiny.get("num_hidden_layers", 4)
     adapted = layers * len(row.lora_targets)
+    if row.experts:  # gate and up of every expert are one LoRA pair (NF4Experts' gate_up)
+        adapted -= layers
     if row.linear_attention_targets:  # Qwen3.5: the DeltaNet's projections instead of q/k/v/o on its linear layers
         linear = sum(linear_attention_layers({"num_hidden_layers": layers}))
         adapted -= (layers - linear) * len(row.linear_attention_targets) + linear * 4

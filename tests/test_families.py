@@ -11,7 +11,9 @@ import yaml
 
 from slimtune.cli.main import EXIT_INVALID_SPEC, main
 from slimtune.models import families
-from slimtune.models.families import FAMILIES, KERNEL_NAMES, check_architecture, lora_target_modules
+from slimtune.models.experts import HELD
+from slimtune.models.families import FAMILIES, KERNEL_NAMES, check_architecture
+from slimtune.models.lora_targets import lora_target_modules
 from slimtune.models.tiny import BUILTIN_PREFIX, build_model, save_tiny
 
 PACKAGE = Path(families.__file__).resolve().parent
@@ -73,7 +75,13 @@ def test_each_row_is_complete_and_its_tiny_model_matches_it(family):
     # every layer's modules by name: hybrid models (Qwen3.5) have linear-attention and attention layers
     layer = {n: m for decoder in model.model.layers for n, m in decoder.named_modules()}
     linears = {n.rsplit(".", 1)[-1] for n, m in layer.items() if type(m).__name__ == "Linear"}
-    assert linears == set(row.lora_targets) | set(row.frozen_linears)
+    held = {name for names in HELD.values() for name in names} if row.experts else set()  # every expert's, in 3-D
+    assert linears == (set(row.lora_targets) - held) | set(row.frozen_linears)
+    if row.experts:
+        fused = {f"{projection}_proj" for projection in HELD}
+        assert all(
+            fused <= {n.rsplit(".", 1)[-1] for n, _ in d.mlp.experts.named_parameters()} for d in model.model.layers
+        )
     for fused, parts in row.fused.items():  # a fused projection holds its parts' rows
         assert fused in linears and not set(parts) & linears
     norms = [n for n, m in layer.items() if "Norm" in type(m).__name__ and getattr(m, "weight", None) is not None]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import tracemalloc
 from pathlib import Path
 
@@ -73,8 +74,12 @@ def _expected_gguf_tensors(model_dir: Path, family: str) -> dict[str, np.ndarray
     name_map = gguf.get_tensor_name_map(row.gguf_arch, cfg["num_hidden_layers"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     out = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}  # an MoE's per-expert tensors, stacked by expert below
     for key, t in load_file(model_dir / "model.safetensors").items():
         w = t.float().numpy()
+        if m := re.fullmatch(r"(.+\.experts)\.(\d+)\.(.+)", key):
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = w
+            continue
         if row.permute_qk and ("q_proj" in key or "k_proj" in key):
             # rows of head h: HF [x_0..x_31, y_0..y_31] -> llama.cpp [x_0, y_0, x_1, y_1, ...]
             heads = w.shape[0] // head_dim
@@ -93,6 +98,8 @@ def _expected_gguf_tensors(model_dir: Path, family: str) -> dict[str, np.ndarray
             w = w + 1.0
         name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
         out[name if name.endswith((".weight", ".bias")) else f"{name}.weight"] = w  # Gemma 4's bare layer_scalar
+    for key, members in experts.items():  # llama.cpp's ffn_*_exps: experts along the slowest dimension
+        out[name_map.get_name(key, try_suffixes=(".weight",))] = np.stack([members[i] for i in sorted(members)])
     if family == "gemma4_text":  # its global layers rotate 1/4 of the 128-wide head: 16 of 64 pairs, 48 stopped
         out["rope_freqs.weight"] = np.array([1.0] * 16 + [1e30] * 48, dtype=np.float32)
     return out
@@ -126,6 +133,7 @@ def test_every_tensor_round_trips(tiny_dirs, tmp_path, family):
 
     arch = _field(reader, "general.architecture")
     renamed = {"mistral": "llama", "gemma3_text": "gemma3", "gemma4_text": "gemma4", "qwen3_5_text": "qwen35"}
+    renamed |= {"qwen3_moe": "qwen3moe"}
     assert arch == renamed.get(family, family)
     assert _field(reader, f"{arch}.attention.head_count") == 4
     assert _field(reader, f"{arch}.attention.head_count_kv") == 2

@@ -279,7 +279,7 @@ def test_as_is_writes_the_closest_vocabulary_and_measures_the_mismatch(tmp_path)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, request) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """`slimtune run` on a tiny model with each real vocabulary (two steps, merge, f16 and q8_0 GGUF verified in
-    llama.cpp), the five at once against one Prefect server: each run alone spends most of its ~100 s starting."""
+    llama.cpp), all at once against one Prefect server: each run alone spends most of its ~100 s starting."""
     from prefect_server import start_server
 
     root = tmp_path_factory.mktemp("real-vocab-runs")
@@ -299,7 +299,9 @@ def runs(tmp_path_factory, request) -> dict[str, tuple[subprocess.CompletedProce
             "export: {gguf: [f16, q8_0]}\n"
         )
         cmd = [sys.executable, "-m", "slimtune.cli.main", "run", str(spec)]
-        started[name] = subprocess.Popen(cmd, env=server.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # each run its own GPU slot (SLIMTUNE_GPU_SLOT): CPU runs, which would otherwise take turns on the one slot
+        env = {**server.env, "SLIMTUNE_GPU_SLOT": f"real-{name}"}
+        started[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = {}
     for name, proc in started.items():
         out, err = proc.communicate(timeout=1200)

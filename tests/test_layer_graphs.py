@@ -12,7 +12,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from slimtune.data import Example, RowCollator, pack
-from slimtune.models.families import FAMILIES, lora_target_modules
+from slimtune.models.families import FAMILIES
+from slimtune.models.lora_targets import lora_target_modules
 from slimtune.models.tiny import build_model
 from slimtune.train.step.checkpointing import (
     LayerPass,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from slimtune.core import registry
+from slimtune.models.experts import HELD
 from slimtune.models.families import FAMILIES
 from slimtune.models.family_configs import linear_attention_layers
 from slimtune.models.source import ModelSourceError, check_model_dir
@@ -38,7 +39,9 @@ def test_family_loads_in_nf4_and_trains(family, tmp_path):
     loaded = load_4bit(spec)
     model = registry.get(loaded.handle)
     linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    per_layer = len(FAMILIES[family].lora_targets)  # 7 projections, 4 where q/k/v and gate/up are fused (phi3)
+    row = FAMILIES[family]
+    held = {n for names in HELD.values() for n in names} if row.experts else set()  # an MoE's MLP: 3-D experts
+    per_layer = len(set(row.lora_targets) - held)  # 7 projections, 4 where q/k/v and gate/up are fused (phi3)
     per_layer += len(FAMILIES[family].frozen_linears)  # Gemma 4's per-layer input gate and projection
     model_level = family == "gemma4_text"  # Gemma 4's per-layer input projection
     n_linears = per_layer * model.config.num_hidden_layers + model_level
@@ -49,10 +52,14 @@ def test_family_loads_in_nf4_and_trains(family, tmp_path):
     assert linears[0].weight.quant_state.nested  # double quantization
     assert linears[0].weight.quant_type == "nf4"
     lora = attach_lora(spec, loaded.handle)
-    assert lora.target_modules == sorted(FAMILIES[family].lora_targets)  # the spec's default names, in the family's
+    experts = [f"experts.{p}_proj" for p in HELD] if row.experts else []  # NF4Experts' own LoRA
+    assert lora.target_modules == sorted([*set(row.lora_targets) - held, *experts])  # the spec's default names
     peft_model = registry.get(lora.handle)
     assert lora.trainable_parameters == sum(p.numel() for p in peft_model.parameters() if p.requires_grad) > 0
     assert all("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
+    blocks = [m for m in peft_model.modules() if type(m).__name__ == "NF4Experts"]
+    assert len(blocks) == (model.config.num_hidden_layers if row.experts else 0)
+    assert all(b.lora_projections() == list(HELD) for b in blocks)
     ids = torch.randint(0, 800, (2, 24))
     opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
     losses = []

@@ -9,13 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from expert_lora import with_expert_lora
 from safetensors.torch import load_file, save_file
 
+from slimtune.kernels.nf4_experts import NF4Experts, load_expert_lora, quantize_model_experts
 from slimtune.merge import AdapterMismatchError, AlreadyMergedError, DiskSpaceError, merge_adapter, safetensors_io
 from slimtune.merge.nf4 import QuantSpec, quantized_tensor_names, roundtrip
+from slimtune.models.experts import per_expert_name
 from slimtune.models.families import FAMILIES
 from slimtune.models.family_configs import linear_attention_layers
+from slimtune.models.lora_targets import lora_target_modules
 from slimtune.models.tiny import build_model, build_tokenizer
+from slimtune.train.adapter_io import add_expert_lora
 
 SMALL_SHARDS = 3_000_000  # the tiny fp32 models are ~11 MB: four shards, so shard boundaries are exercised
 
@@ -38,6 +43,8 @@ def _linears(family: str) -> int:
     layers = row.tiny.get("num_hidden_layers", 4)
     linear = sum(linear_attention_layers({"num_hidden_layers": layers})) if row.linear_attention_targets else 0
     attention = len(row.lora_targets) - len(row.linear_attention_targets)  # q/k/v/o and the MLP
+    if row.experts:  # an MoE's MLP: gate, up and down of every expert, stored apart
+        attention += 3 * (row.tiny["num_experts"] - 1)
     return (layers - linear) * attention + linear * (attention - 4 + len(row.linear_attention_targets))
 
 
@@ -47,13 +54,17 @@ def _save_adapter(base: Path, out: Path, seed: int, **lora) -> Path:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    targets = list(FAMILIES[model.config.model_type].lora_targets)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, **lora))
+    family = model.config.model_type
+    targets = list(FAMILIES[family].lora_targets)
+    peft_targets = lora_target_modules(family, targets)  # an MoE's MLP names are its experts': not peft's
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=peft_targets, **lora))
     g = torch.Generator().manual_seed(seed)
     for name, p in peft_model.named_parameters():
         if "lora_B" in name:
             p.data = torch.randn(p.shape, generator=g) * 0.05
+    with_expert_lora(model, family, targets, r=8, alpha=16, random_b=g, **lora)
     peft_model.save_pretrained(out)
+    add_expert_lora(out, peft_model)  # an MoE's expert LoRA, per expert, as training saves it
     return out
 
 
@@ -94,6 +105,7 @@ def nf4_models(models):
         for module in model.modules():
             if isinstance(module, bnb.nn.Linear4bit):
                 module.support_avx512bf16_for_cpu = False
+        quantize_model_experts(model, torch.float32)  # an MoE's experts, as load_4bit quantizes them
         return model
 
     return get
@@ -179,12 +191,20 @@ def test_nf4_roundtrip_matches_what_from_pretrained_holds(models, nf4_models, fa
     model = nf4_models(family)
     stored = load_file(base / "model.safetensors")
     linears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    for block, m in model.named_modules():  # each expert's stored matrices, as NF4Experts holds them
+        if isinstance(m, NF4Experts):
+            parts = dict(zip(("gate_proj", "up_proj"), m.gate_up.parts)) | {"down_proj": m.down}
+            linears |= {per_expert_name(block, e, p): (w, e) for p, w in parts.items() for e in range(m.num_experts)}
     # Gemma 4's per-layer input gate and projection and its model-level per-layer input projection are NF4 too
     frozen = len(FAMILIES[family].frozen_linears) * FAMILIES[family].tiny.get("num_hidden_layers", 4)
     frozen += family == "gemma4_text"
     assert quantized_tensor_names(base, QuantSpec()) == set(linears) and len(linears) == _linears(family) + frozen
     for name, module in linears.items():
-        loaded = bf.dequantize_4bit(module.weight.data, module.weight.quant_state)
+        if isinstance(module, tuple):  # an expert's matrix in NF4ExpertWeights
+            weights, e = module
+            loaded = weights.dequantize(e)
+        else:
+            loaded = bf.dequantize_4bit(module.weight.data, module.weight.quant_state)
         ours = roundtrip(stored[name], QuantSpec())
         assert torch.equal(ours, loaded), name  # bit-identical: the weights the adapter was trained against
         assert not torch.equal(ours, stored[name])  # and really quantized
@@ -203,7 +223,9 @@ def test_dequantized_logits_match_peft_on_the_nf4_base(models, nf4_models, tmp_p
     unscale = getattr(nf4.config, "logits_scaling", 1.0)  # Granite divides its logits by 16: undone here
     with torch.no_grad():
         base_logits = nf4(ids).logits * unscale
+        with_expert_lora(nf4, family, list(FAMILIES[family].lora_targets), r=8, alpha=16)
         peft_model = PeftModel.from_pretrained(nf4, adapter).eval()
+        load_expert_lora(peft_model, load_file(adapter / "adapter_model.safetensors"))  # peft's load skips these
         peft_logits = peft_model(ids).logits * unscale
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
         merged_logits = merged(ids).logits * unscale

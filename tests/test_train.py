@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from expert_lora import with_expert_lora
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, TrainerControl, TrainerState
 
 from slimtune.data import load_examples
+from slimtune.models.lora_targets import lora_target_modules
 from slimtune.models.tiny import DATA_FILE, save_tiny
 from slimtune.spec.schema import DataSpec, TrainSpec
 from slimtune.train import PrefectProgressCallback, latest_checkpoint, train_adapter
@@ -161,6 +164,44 @@ def test_resume_after_crash_gives_the_same_losses(full_run, crashed_run, base_di
     assert resumed.eval_loss_before == full.eval_loss_before
     assert resumed.eval_loss_after == full.eval_loss_after
     assert resumed.tokens_seen == full.tokens_seen
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    moe = dict(num_experts=4, moe_intermediate_size=64)  # the rest as base_dir's llama: milliseconds a step
+    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    return save_tiny(tmp_path_factory.mktemp("moe"), "qwen3_moe", **shape, **moe)
+
+
+def _moe_model(moe_dir: Path):
+    """What load_4bit and attach_lora make of an MoE: peft on attention, NF4Experts with their own LoRA."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32, attn_implementation="sdpa")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_targets = lora_target_modules("qwen3_moe", targets)
+    peft_model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM", target_modules=peft_targets)
+    )
+    with_expert_lora(model, "qwen3_moe", targets, r=8, alpha=16)
+    return peft_model
+
+
+def test_moe_resume_restores_the_expert_lora(moe_dir, data, tmp_path):
+    """Trainer's resume loads peft's layers only; the experts' LoRA comes back from the checkpoint too (without it
+    the resumed steps would start from fresh expert LoRA and their losses would differ)."""
+    tokenizer = AutoTokenizer.from_pretrained(moe_dir)
+    examples = load_examples(data, tokenizer)
+    full = _train(moe_dir, tokenizer, examples, data, tmp_path / "full", model=_moe_model(moe_dir))
+    run_dir = tmp_path / "crashed"
+    with pytest.raises(_Crash):
+        _train(moe_dir, tokenizer, examples, data, run_dir, callbacks=[_CrashAt(CRASH_AT)], model=_moe_model(moe_dir))
+    resumed = _train(moe_dir, tokenizer, examples, data, run_dir, model=_moe_model(moe_dir))
+    assert resumed.resumed_from.endswith(f"checkpoint-{SAVE_EVERY}")
+    assert _losses(resumed, SAVE_EVERY) == _losses(full, SAVE_EVERY)
+    saved = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    experts = [k for k in saved if ".mlp.experts." in k]
+    assert len(experts) == 2 * 4 * 3 * 2  # layers x experts x (gate, up, down) x (A, B)
+    assert all(saved[k].abs().max() > 0 for k in experts if ".lora_B." in k)  # trained, not the zero init
 
 
 def test_resume_with_smaller_micro_batch_after_downshift(

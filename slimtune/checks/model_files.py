@@ -19,6 +19,7 @@ import torch
 
 from slimtune.merge.prequantized import is_prequantized, split_stored_4bit
 from slimtune.merge.safetensors_io import TensorEntry, read_entries
+from slimtune.models.experts import expert_key, fused_shapes
 from slimtune.models.multimodal import layout_of, text_key
 from slimtune.models.source import ModelSourceError, check_model_dir, read_model_json
 from slimtune.spec.schema import ModelSpec
@@ -49,7 +50,18 @@ def weight_file_problems(model: ModelSpec, model_dir: Path, meta_model: torch.nn
         entries, _ = split_stored_4bit(entries)
     if layout_of(config):  # a multimodal checkpoint: `meta_model` is its language model, read from these keys
         entries = [replace(e, name=name) for e in entries if (name := text_key(e.name)) is not None]
-    return _shape_problems(model_dir, entries, meta_model, config)
+    return _shape_problems(model_dir, _with_fused_experts(entries), meta_model, config)
+
+
+def _with_fused_experts(entries: list[TensorEntry]) -> list[TensorEntry]:
+    """`entries` plus the fused expert parameters their per-expert tensors make (`slimtune.models.experts`),
+    which is how the model built from config.json names them."""
+    first = {}
+    for e in entries:
+        if (key := expert_key(e.name)) is not None:
+            first.setdefault(key.block, e)
+    fused = fused_shapes((e.name, e.shape) for e in entries)
+    return entries + [replace(first[name.rpartition(".")[0]], name=name, shape=shape) for name, shape in fused.items()]
 
 
 def _stored_entries(model_dir: Path) -> tuple[list[TensorEntry], list[str]]:

@@ -56,7 +56,28 @@ def _built_model_problems(spec: PipelineSpec) -> list[str]:
         reason = clip(" ".join(str(e).split()), 300) or type(e).__name__
         return [f"model.name_or_path: {model_dir / 'config.json'} does not build a model ({reason}); fix or replace it"]
     problems = _target_problems(spec, model_dir, model) + weight_file_problems(spec.model, model_dir, model)
-    return problems + tokenizer_and_data_problems(spec)
+    return problems + _experts_problems(spec, model) + tokenizer_and_data_problems(spec)
+
+
+def _experts_problems(spec: PipelineSpec, model: torch.nn.Module) -> list[str]:
+    """What a mixture-of-experts model does not do yet: its experts are `NF4Experts`, which FSDP does not shard
+    and whose per-expert LoRA the adapter GGUF has no layout for."""
+    from slimtune.models.experts import EXPERT_CLASSES
+
+    if not any(type(m).__name__ in EXPERT_CLASSES for m in model.modules()):
+        return []
+    problems = []
+    if spec.train.sharded:
+        problems.append(
+            "train.parallelism: fsdp does not shard a mixture-of-experts model's NF4 experts yet; use "
+            "train.parallelism: ddp (each GPU holds the whole model)"
+        )
+    if spec.export.adapter_gguf:
+        problems.append(
+            "export.adapter_gguf: the LoRA GGUF of a mixture-of-experts model's per-expert adapter is not written "
+            "yet; set export.adapter_gguf: false (the merged GGUFs hold the adapter)"
+        )
+    return problems
 
 
 def _push_problems(spec: PipelineSpec) -> list[str]:
@@ -212,7 +233,7 @@ def _target_problems(spec: PipelineSpec, model_dir: Path, model: torch.nn.Module
         return []
     import json
 
-    from slimtune.models.families import lora_target_modules
+    from slimtune.models.lora_targets import lora_target_modules
 
     model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("model_type", "")
     try:  # what attach_lora asks peft for: q/k/v become qkv_proj where the family fuses them (Phi-3)

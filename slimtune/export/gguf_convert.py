@@ -15,6 +15,8 @@ Layout differences from HF that llama.cpp expects:
 - Phi-3 longrope becomes `rope_factors_long` / `rope_factors_short` tensors and a cos/sin attn_factor.
 - Architectures without an output tensor in llama.cpp (the Gemmas) read the embeddings instead.
 - Qwen3.5's Gated DeltaNet tensors: `slimtune.export.gguf_deltanet`.
+- Mixture-of-experts checkpoints store each expert's projections apart; llama.cpp reads one 3-D tensor per layer
+  and projection (`slimtune.export.gguf_experts`), so memory is bounded by one layer's stacked projection.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 
 from slimtune.core import atomic
 from slimtune.export.gguf_deltanet import deltanet_tensor
+from slimtune.export.gguf_experts import expert_stacks, stack_loader, stack_shape
 from slimtune.export.gguf_quantize import CONVERTER_TYPES
 from slimtune.export.gguf_tokenizer import add_tokenizer
 from slimtune.models.families import BY_ARCHITECTURE, Family
@@ -188,17 +191,27 @@ def _plan_tensors(
         )
     for name, factors in _longrope_factors(config, family):
         yield _Planned(name, lambda f=factors: f, factors.shape, Q.F32)
+    tensors = []
     for file, stored in _safetensors_keys(model_dir):
         key = text_key(stored) if multimodal else stored
-        if key is None:
-            continue  # a vision tower or projector weight: llama.cpp reads those from an mmproj file
+        if key is not None:  # None: a vision tower or projector weight, which llama.cpp reads from an mmproj file
+            tensors.append((file, stored, key))
+    hparams = family.gguf_hparams(config) if family.gguf_hparams else {}
+    stacks = expert_stacks(tensors, hparams.get(gguf.Keys.LLM.EXPERT_COUNT))
+    for file, stored, key in tensors:
         if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
             continue  # recomputed by llama.cpp / shared with token_embd
-        with safe_open(file, framework="pt") as f:
-            shape = tuple(f.get_slice(stored).get_shape())
+        stack = stacks.get(stored)
+        if stack and stack.members[0][1] != stored:
+            continue  # an expert's tensor: its layer's stack is planned once, at expert 0
+        if stack:
+            shape = stack_shape(stack)
+        else:
+            with safe_open(file, framework="pt") as f:
+                shape = tuple(f.get_slice(stored).get_shape())
         # Qwen3.5's Gated DeltaNet tensors have their own layout (slimtune.export.gguf_deltanet)
         deltanet = deltanet_tensor(key, shape, config) if ".linear_attn." in key else None
-        lookup = deltanet.key if deltanet else key
+        lookup = deltanet.key if deltanet else stack.key if stack else key
         name = name_map.get_name(lookup, try_suffixes=(".weight", ".bias"))
         kind = name_map.get_type(lookup, try_suffixes=(".weight", ".bias"))
         if name is None or kind not in known:
@@ -212,8 +225,9 @@ def _plan_tensors(
             qtype = Q.F32 if deltanet.f32 else _tensor_qtype(name, deltanet.shape, default_qtype, tied)
             yield _Planned(name, _loader(file, stored, deltanet.transform), deltanet.shape, qtype)
             continue
-        transform = _transform_for(key, family, n_head, n_kv)
-        yield _Planned(name, _loader(file, stored, transform), shape, _tensor_qtype(name, shape, default_qtype, tied))
+        transform = _transform_for(lookup, family, n_head, n_kv)
+        load = stack_loader(stack, shape, transform) if stack else _loader(file, stored, transform)
+        yield _Planned(name, load, shape, _tensor_qtype(name, shape, default_qtype, tied))
 
 
 def _safetensors_keys(model_dir: Path) -> Iterator[tuple[Path, str]]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from slimtune.core.gguf_types import GGUF_TYPES
 from slimtune.memory.model_shape import ModelShape, model_shape
-from slimtune.models.families import canonical_targets
+from slimtune.models.lora_targets import canonical_targets
 
 _GIB = 1024**3
 
@@ -114,7 +114,9 @@ def _nf4_bytes(n: int, double_quant: bool) -> int:
 
 
 def _nf4_weights(shape: ModelShape, dtype_bytes: int, double_quant: bool) -> dict[str, int]:
-    layers = sum(_nf4_bytes(a * b, double_quant) for layer in shape.each_layer() for a, b in layer.values())
+    layers = sum(
+        _nf4_bytes(a * b, double_quant) * shape.copies(n) for layer in shape.each_layer() for n, (a, b) in layer.items()
+    )
     return {
         "nf4 linears": layers + (_nf4_bytes(shape.other_linears, double_quant) if shape.other_linears else 0),
         "embeddings and lm_head": shape.embedding_weights() * dtype_bytes,
@@ -158,6 +160,11 @@ def estimate_load_4bit(cfg: dict[str, Any], compute_dtype_bytes: int, *, double_
     gpu["load transient (one 16-bit linear)"] = (
         max(a * b for a, b in shape.projections().values()) * compute_dtype_bytes
     )
+    if shape.experts:  # bitsandbytes leaves the 3-D expert tensors in 16 bits; load_4bit quantizes them after
+        gpu["load transient (the experts in 16 bits until quantized)"] = (
+            shape.layers
+            * sum(a * b * shape.copies(n) for n, (a, b) in shape.projections().items() if shape.copies(n) > 1)
+        ) * compute_dtype_bytes
     gpu[_CONTEXT_TERM] = _LOAD_CONTEXT_BYTES
     host = {"process (anonymous memory; shards are mapped)": _LOAD_HOST_BYTES}
     fields = {
@@ -198,8 +205,9 @@ def _activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int, targe
     2.0 MB with checkpointing where it measured 2.07.
     """
     projections = shape.projections()
-    lora_inputs = sum(projections[t][0] + lora_r for t in targets)
-    elements = 3 * shape.intermediate + 2 * shape.q_dim + 2 * shape.kv_dim + lora_inputs
+    lora_inputs = sum((projections[t][0] + lora_r) * shape.routed(t) for t in targets)
+    mlp = 3 * shape.intermediate * shape.routed("gate_proj")  # an MoE token: each of its experts' MLP
+    elements = mlp + 2 * shape.q_dim + 2 * shape.kv_dim + lora_inputs
     return elements * dtype_bytes + 2 * 4 * shape.hidden
 
 
@@ -277,9 +285,9 @@ def estimate_train(
     if shard_ranks > 1:
         unsharded = gpu
         gpu = {k: -(-v // shard_ranks) for k, v in gpu.items()}
-        packed = shape.layers * sum(a * b // 2 for a, b in shape.projections().values())
+        packed = shape.layers * sum(a * b // 2 * shape.copies(n) for n, (a, b) in shape.projections().items())
         gpu["nf4 linears"] = -(-packed // shard_ranks) + unsharded["nf4 linears"] - packed
-        layer = sum(_nf4_bytes(a * b, double_quant) for a, b in shape.projections().values())
+        layer = sum(_nf4_bytes(a * b, double_quant) * shape.copies(n) for n, (a, b) in shape.projections().items())
         gpu["gathered layers (FSDP: computing and prefetched)"] = 2 * layer
         # The root unit (input table, lm_head, final norm) is gathered for the forward and, being the root,
         # FSDP1 keeps it gathered until its backward: the whole tables for the step, beside the shard.
@@ -292,7 +300,12 @@ def estimate_train(
     gpu["embeddings and lm_head"] -= host_table
     resident = sum(gpu.values())
     targets = _targets(shape, target_modules)
-    lora = sum(lora_r * (layer[t][0] + layer[t][1]) for layer in shape.each_layer() for t in targets if t in layer)
+    lora = sum(
+        lora_r * (layer[t][0] + layer[t][1]) * shape.copies(t)
+        for layer in shape.each_layer()
+        for t in targets
+        if t in layer
+    )
     gpu["lora weights and grads (fp32)"] = -(-lora * 8 // shard_ranks)
     gpu["optimizer state"] = -(-lora * optimizer_bytes_per_param // shard_ranks)
 
@@ -368,7 +381,7 @@ def estimate_merge(
     The GPU holds one decoder layer dequantised in the output dtype and the largest matrix in
     float32 for the `addmm_` of the LoRA update; host memory buffers one shard before it is
     written; disk receives the whole model in the output dtype, and `copied_bytes` of weights the merge
-    copies as they are stored (a multimodal checkpoint's vision tower and projector).
+    copies as they are stored (a multimodal checkpoint's vision tower, projector and Qwen3.5's `mtp.*`).
     """
     shape = model_shape(cfg)
     largest = max(a * b for a, b in shape.projections().values())
@@ -387,7 +400,7 @@ def estimate_merge(
     }
     disk = {"merged model": full}
     if copied_bytes:
-        disk["vision tower and projector, copied"] = copied_bytes
+        disk["weights copied as stored (vision tower, projector, mtp)"] = copied_bytes
     fields = {
         "gpu": "merge.maximum_memory_usage",
         "host": "merge.max_shard_size_gb or merge.maximum_memory_usage",

@@ -11,8 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from slimtune.models.experts import expert_count
 from slimtune.models.families import family_of, text_fields
 from slimtune.models.family_configs import full_attention_head_dim, gemma4_sliding_layers, linear_attention_layers
+
+_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,10 @@ class ModelShape:
     other_linears: int = 0  # NF4 linear weights outside the layers (Gemma 4's per-layer input projection)
     other_embeddings: int = 0  # other 16-bit embedding tables (Gemma 4's per-layer embeddings)
     other_small: int = 0  # norms and scalars beyond the uniform per-layer count (negative where layers have fewer)
+    # Mixture of experts (Qwen3-MoE): each MLP projection is `experts` matrices of one expert's size (`intermediate`
+    # is moe_intermediate_size), of which each token goes through `experts_per_token`
+    experts: int = 0
+    experts_per_token: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -61,8 +68,16 @@ class ModelShape:
             "down_proj": (i, h),
         }
 
+    def copies(self, name: str) -> int:
+        """How many matrices a layer holds under projection `name`: every expert's for an MoE's MLP projections."""
+        return self.experts if self.experts and name in _MLP else 1
+
+    def routed(self, name: str) -> int:
+        """Through how many of those matrices each token goes (`copies` for weights, this for activations)."""
+        return self.experts_per_token if self.experts and name in _MLP else 1
+
     def linear_weights_per_layer(self) -> int:
-        return sum(a * b for a, b in self.projections().values())
+        return sum(a * b * self.copies(n) for n, (a, b) in self.projections().items())
 
     def each_layer(self) -> tuple[dict[str, tuple[int, int]], ...]:
         """Every decoder layer's linears, in order."""
@@ -80,7 +95,8 @@ class ModelShape:
         return self.layers * per_layer + self.hidden + self.other_small
 
     def total_weights(self) -> int:
-        linears = sum(a * b for layer in self.each_layer() for a, b in layer.values()) + self.other_linears
+        linears = sum(a * b * self.copies(n) for layer in self.each_layer() for n, (a, b) in layer.items())
+        linears += self.other_linears
         return linears + self.embedding_weights() + self.small_weights()
 
 
@@ -123,6 +139,8 @@ def model_shape(cfg: dict[str, Any]) -> ModelShape:
     )
     if model_type == "qwen3_5_text":
         return _qwen35_layers(text, shape)
+    if family is not None and family.experts:
+        return _moe_layers(text, shape)
     return _gemma4_layers(text, shape) if model_type == "gemma4_text" else shape
 
 
@@ -186,3 +204,16 @@ def _qwen35_layers(text: dict[str, Any], shape: ModelShape) -> ModelShape:
             )
             small -= h  # layer_norms counts the DeltaNet's third norm on every layer
     return replace(shape, layer_linears=tuple(layers), other_small=small)
+
+
+def _moe_layers(text: dict[str, Any], shape: ModelShape) -> ModelShape:
+    """Qwen3-MoE's layers: attention, then `num_experts` experts of moe_intermediate_size (held in NF4 by
+    `slimtune.kernels.nf4_experts`) behind a 16-bit router of num_experts x hidden weights."""
+    experts = expert_count(text)
+    return replace(
+        shape,
+        intermediate=int(text["moe_intermediate_size"]),
+        experts=experts,
+        experts_per_token=int(text["num_experts_per_tok"]),
+        other_small=shape.other_small + shape.layers * experts * shape.hidden,
+    )

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from slimtune.models.experts import EXPERT_CLASSES, HELD, per_expert_name
+
 _STORAGE = {
     "uint8": torch.uint8,
     "int8": torch.int8,
@@ -84,8 +86,9 @@ TRAINING_NF4 = QuantSpec()
 
 
 def quantized_tensor_names(base_dir: Path, spec: QuantSpec) -> set[str]:
-    """Names of the weights bitsandbytes turns into Linear4bit, found with transformers' own replacement
-    on a meta-device model (no memory; about 1 s for an 8B config), so lm_head/tied/skipped modules match."""
+    """Names of the weights load_4bit holds in NF4: what bitsandbytes turns into Linear4bit, found with
+    transformers' own replacement on a meta-device model (no memory; about 1 s for an 8B config), so
+    lm_head/tied/skipped modules match, and each expert's matrices."""
     import bitsandbytes as bnb
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import replace_with_bnb_linear
@@ -99,7 +102,11 @@ def quantized_tensor_names(base_dir: Path, spec: QuantSpec) -> set[str]:
         model, qc.llm_int8_skip_modules, model._keep_in_fp32_modules
     )
     model = replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=qc, pre_quantized=False)
-    return {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    names = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    # and every expert matrix, which load_4bit quantizes itself (slimtune.kernels.nf4_experts), as stored
+    experts = [(n, m) for n, m in model.named_modules() if type(m).__name__ in EXPERT_CLASSES]
+    projections = [p for held in HELD.values() for p in held]
+    return names | {per_expert_name(n, e, p) for n, m in experts for e in range(m.num_experts) for p in projections}
 
 
 def roundtrip(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -28,6 +28,8 @@ from slimtune.models.family_configs import (
     granite_hparams,
     phi3_check,
     phi3_hparams,
+    qwen3_moe_check,
+    qwen3_moe_hparams,
     qwen35_check,
     qwen35_hparams,
     smollm3_check,
@@ -58,6 +60,9 @@ class Family:
     # target list naming any of q/k/v/o_proj gets them too), so the default targets reach every layer's mixer.
     linear_attention_targets: tuple[str, ...] = ()
     frozen_linears: tuple[str, ...] = ()  # a layer's other linears, which the default targets leave frozen
+    # Mixture of experts (Qwen3-MoE): the MLP projections are every expert's, held per layer by one
+    # `slimtune.kernels.nf4_experts.NF4Experts`, which takes their LoRA itself (peft does not reach 3-D tensors)
+    experts: bool = False
     # The projection whose output is only summed into the residual stream (no norm reads it), so a
     # checkpointing recompute may skip computing it; None where a post-norm reads it (Gemma 2/3, OLMo 2).
     layer_output: str | None = "mlp.down_proj"
@@ -86,7 +91,7 @@ class Family:
 _LLAMA_KERNELS = ("rms_norm", "rope", "swiglu", "fused_linear_ce", "lora_nf4", "host_embedding")
 _GEMMA_KERNELS = ("rms_norm", "rope", "geglu", "fused_linear_ce", "lora_nf4", "host_embedding")
 _DELTANET = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")  # Gated DeltaNet in/out projections
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 _ROWS = (
     Family(
@@ -135,6 +140,36 @@ _ROWS = (
         qk_norm="head",
         sliding_window_kwarg=True,
         gguf_arch=gguf.MODEL_ARCH.QWEN3,
+        tokenizer_pre="qwen2",
+        chat_template="chatml",
+    ),
+    Family(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        # Every layer sparse, 8 experts with 2 per token (Qwen3-30B-A3B: 128 and 8); the expert width a multiple of
+        # 256 so that the GGUF k-quants apply to the stacked expert tensors.
+        tiny={
+            "head_dim": 64,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 256,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,  # as the released checkpoints; llama.cpp always renormalizes the top-k weights
+        },
+        kernels=("rms_norm", "rope", "fused_linear_ce", "lora_nf4", "host_embedding"),
+        eager={
+            "swiglu": "the experts' gate and up are one 3-D tensor per layer, run by slimtune.kernels.nf4_experts",
+            "geglu": _NOT_GELU,
+        },
+        experts=True,
+        layer_output=None,  # a layer's MLP output is the routed experts' weighted sum, not one linear
+        qk_norm="head",
+        sliding_window_kwarg=True,
+        gguf_arch=gguf.MODEL_ARCH.QWEN3MOE,
+        gguf_hparams=qwen3_moe_hparams,
+        check_config=qwen3_moe_check,
         tokenizer_pre="qwen2",
         chat_template="chatml",
     ),
@@ -401,47 +436,3 @@ def check_architecture(config: dict[str, Any]) -> str | None:
     if problem:
         return f"model.name_or_path: {model_type} config: {problem}; slimtune cannot export it to GGUF faithfully"
     return None
-
-
-def lora_target_modules(model_type: str, requested: list[str] | str) -> list[str] | str:
-    """The family's module names for `lora.target_modules`: q/k/v become qkv_proj where they are fused.
-
-    Raises:
-        ValueError: a fused family asked for only part of a fused projection (e.g. q_proj alone in Phi-3).
-    """
-    family = FAMILIES.get(model_type)
-    if family is None or isinstance(requested, str):
-        return requested
-    requested = _with_linear_attention(family, requested)
-    if not family.fused:
-        return requested
-    part_of = {part: fused for fused, parts in family.fused.items() for part in parts}
-    out: list[str] = []
-    for name in requested:
-        fused = part_of.get(name)
-        if fused is None:
-            out.append(name)
-            continue
-        missing = [p for p in family.fused[fused] if p not in requested]
-        if missing:
-            raise ValueError(
-                f"lora.target_modules: {model_type} fuses {', '.join(family.fused[fused])} into {fused}; "
-                f"list all of them (missing {', '.join(missing)}) or {fused} itself"
-            )
-        out.append(fused)
-    return list(dict.fromkeys(out))
-
-
-def canonical_targets(model_type: str, targets: list[str]) -> list[str]:
-    """The separate projections behind `targets` (qkv_proj -> q_proj, k_proj, v_proj), for shape arithmetic."""
-    family = FAMILIES.get(model_type)
-    fused = family.fused if family else {}
-    targets = _with_linear_attention(family, targets) if family else targets
-    return list(dict.fromkeys(p for t in targets for p in fused.get(t, (t,))))
-
-
-def _with_linear_attention(family: Family, requested: list[str]) -> list[str]:
-    """`requested` plus the linear-attention layers' projections where it names an attention projection."""
-    if not family.linear_attention_targets or not set(requested) & set(_ATTENTION):
-        return requested
-    return list(dict.fromkeys([*requested, *family.linear_attention_targets]))

@@ -14,6 +14,8 @@ from typing import Any
 
 import gguf
 
+from slimtune.models.experts import expert_count
+
 
 def _layer_types(config: dict[str, Any], default: Callable[[int], bool]) -> list[bool]:
     """Per layer, True where attention is sliding-window (transformers 5 `layer_types`, else the pattern)."""
@@ -244,4 +246,34 @@ def qwen35_check(config: dict[str, Any]) -> str | None:
     n, interval = int(config["num_hidden_layers"]), int(config.get("full_attention_interval") or 4)
     if linear_attention_layers(config) != [(i + 1) % interval != 0 for i in range(n)]:
         return f"layer_types differ from one full-attention layer every {interval}, which llama.cpp's qwen35 reads"
+    return None
+
+
+def qwen3_moe_hparams(config: dict[str, Any]) -> dict[str, Any]:
+    """The expert counts and width llama.cpp's qwen3moe reads (what llama.cpp's converter writes for Qwen3MoeModel).
+    Its router is fixed in llama.cpp's graph (softmax, then the top-k weights renormalized; no shared expert), so no
+    key says it: `qwen3_moe_check` refuses configs that route otherwise."""
+    return {
+        gguf.Keys.LLM.EXPERT_COUNT: expert_count(config),
+        gguf.Keys.LLM.EXPERT_USED_COUNT: int(config["num_experts_per_tok"]),
+        gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH: int(config["moe_intermediate_size"]),
+    }
+
+
+def qwen3_moe_check(config: dict[str, Any]) -> str | None:
+    """What llama.cpp's qwen3moe (0.3.36, src/models/qwen3moe.cpp) cannot reproduce: dense layers (it builds every
+    layer's MLP as experts), top-k weights left unnormalized, attention biases (it loads no output bias), and a
+    sliding window (it attends to the whole context)."""
+    n = int(config["num_hidden_layers"])
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = [i for i in range(n) if i in (config.get("mlp_only_layers") or []) or (i + 1) % step]
+    if dense or not expert_count(config):
+        where = dense or "all"
+        return f"dense MLP layers {where} (mlp_only_layers, decoder_sparse_step): llama.cpp's qwen3moe has none"
+    if not config.get("norm_topk_prob"):
+        return "norm_topk_prob is false: llama.cpp's qwen3moe always renormalizes the top-k expert weights"
+    if config.get("attention_bias"):
+        return "attention_bias: llama.cpp's qwen3moe has no attention output bias"
+    if config.get("use_sliding_window") and config.get("sliding_window"):
+        return "use_sliding_window: llama.cpp's qwen3moe attends to the whole context"
     return None

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass
 
 import torch
 
 from slimtune.core import registry
 from slimtune.kernels import apply_kernels
-from slimtune.models.families import lora_target_modules
+from slimtune.models.lora_targets import expert_lora_targets, lora_target_modules
 from slimtune.plan.run_plan import RunPlan, plan_for
 from slimtune.plan.train_settings import TrainSettings, resolve_train
 from slimtune.spec.schema import PipelineSpec
@@ -84,17 +85,35 @@ def attach_lora(spec: PipelineSpec, handle: str, plan: RunPlan | None = None) ->
     )
     torch.manual_seed(spec.train.seed)  # LoRA A is randomly initialised: same spec, same adapter
     peft_model = get_peft_model(model, config)
+    experts = _attach_expert_lora(spec, peft_model)
     try:
-        return _configure(spec, handle, peft_model, device, settings)
+        return _configure(spec, handle, peft_model, device, settings, experts)
     except BaseException:
         # peft injected the LoRA layers into the registered model in place: a retry (out of memory) must get the
         # base model back, or its get_peft_model stacks a second adapter ("multiple adapters" warning)
+        for block in experts:
+            block.remove_lora()
         peft_model.unload()
         raise
 
 
+def _attach_expert_lora(spec: PipelineSpec, peft_model) -> list:
+    """LoRA on a mixture-of-experts model's experts, which peft does not reach (3-D tensors, `NF4Experts`)."""
+    from slimtune.kernels.nf4_experts import NF4Experts
+
+    projections = expert_lora_targets(peft_model.config.model_type, spec.lora.target_modules)
+    blocks = [m for m in peft_model.modules() if isinstance(m, NF4Experts)] if projections else []
+    lora = spec.lora
+    scale = lora.alpha / math.sqrt(lora.r) if lora.use_rslora else lora.alpha / lora.r  # as peft scales
+    for block in blocks:
+        block.add_lora(lora.r, scale, projections, dropout=lora.dropout)
+    if blocks:
+        log.info("LoRA r=%d on the %s projections of %d expert blocks", lora.r, ", ".join(projections), len(blocks))
+    return blocks
+
+
 def _configure(
-    spec: PipelineSpec, handle: str, peft_model, device: torch.device, settings: TrainSettings
+    spec: PipelineSpec, handle: str, peft_model, device: torch.device, settings: TrainSettings, experts: list
 ) -> LoraResult:
     """Place the LoRA weights, set up checkpointing and kernels, and register the peft model under `handle`."""
     if spec.train.sharded:
@@ -126,7 +145,8 @@ def _configure(
     registry.put("kernels", kernels)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
-    targets = sorted(peft_model.peft_config["default"].target_modules)
+    expert_targets = [f"experts.{p}_proj" for p in (experts[0].lora_projections() if experts else [])]
+    targets = sorted([*peft_model.peft_config["default"].target_modules, *expert_targets])
     hidden = getattr(peft_model.config, "hidden_size", None)
     if hidden is not None and spec.lora.r > hidden:
         log.warning(

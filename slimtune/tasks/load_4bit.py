@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -12,7 +17,7 @@ from slimtune.core import registry
 from slimtune.memory import max_memory_with_headroom
 from slimtune.merge.nf4 import TRAINING_NF4
 from slimtune.models.families import FAMILIES
-from slimtune.models.multimodal import text_model_load_kwargs
+from slimtune.models.multimodal import copied_keys, copied_part, text_model_load_kwargs
 from slimtune.plan.run_plan import RunPlan, plan_for
 from slimtune.spec.schema import PipelineSpec
 
@@ -113,6 +118,69 @@ def _place_for_fsdp(model: torch.nn.Module, device: torch.device) -> None:
     model.hf_device_map = {"": str(device)}
 
 
+class _HeldLoadReport(logging.Filter):
+    """Holds back transformers' load report (a table row per checkpoint key the model did not load)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.funcName == "log_state_dict_report":
+            self.records.append(record)
+            return False
+        return True
+
+
+@contextmanager
+def _load_report_held(hold: bool) -> Iterator[None]:
+    """Around one `from_pretrained` of a multimodal checkpoint's language model: its load report would list every
+    vision tensor (Gemma-3-4B: 439 rows) as unexpected, so it is held back and `_report_unloaded` says what matters.
+    Scoped to the call; if loading fails, the report is emitted as transformers wrote it (its error points to it)."""
+    if not hold:
+        yield
+        return
+    logger, held = logging.getLogger("transformers.modeling_utils"), _HeldLoadReport()
+    logger.addFilter(held)
+    try:
+        yield
+    except BaseException:
+        logger.removeFilter(held)
+        for record in held.records:
+            logger.handle(record)
+        raise
+    finally:
+        logger.removeFilter(held)
+
+
+def _report_unloaded(model_dir: Path, loading_info: dict[str, Any]) -> None:
+    """One line for the vision tower and mtp weights left for the merge to copy (by the merge's own rule), a warning
+    for any other key the load did not use or did not find: those are a real problem and must stay visible."""
+    from slimtune.merge.safetensors_io import checkpoint_shards, read_entries
+
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    keys = [e.name for shard in checkpoint_shards(model_dir) for e in read_entries(shard)]
+    parts = Counter(part for key in copied_keys(config, keys) if (part := copied_part(key)) is not None)
+    if parts:
+        log.info(
+            "%s: left %s tensors unloaded, for the merge to copy as stored",
+            model_dir,
+            " and ".join(f"{n} {part}" for part, n in sorted(parts.items())),
+        )
+    unexpected = sorted(k for k in loading_info["unexpected_keys"] if copied_part(k) is None)
+    missing = sorted(loading_info["missing_keys"])
+    if unexpected or missing:
+        log.warning(
+            "%s: the language model did not load %d checkpoint keys outside its vision tower and mtp: %s; "
+            "and %d of its weights are missing from the checkpoint (newly initialized): %s",
+            model_dir,
+            len(unexpected),
+            ", ".join(unexpected) or "none",
+            len(missing),
+            ", ".join(missing) or "none",
+        )
+
+
 def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
     """Load the base model quantized to NF4 (double quant) and register it; returns its handle.
 
@@ -122,25 +190,33 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
 
+    from slimtune.kernels.nf4_experts import quantize_model_experts
+
     plan = plan_for(spec, plan)
     model_dir, device, dtype = Path(plan.model_dir), plan.torch_device, plan.dtype
     fsdp = spec.train.sharded
     quant = TRAINING_NF4.bnb_config(dtype, quant_storage=dtype if fsdp else None)
     on_host = loads_on_host(spec, device)
     load_device = torch.device("cpu") if on_host else device
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir,
-        quantization_config=quant,
-        dtype=dtype,
-        device_map={"": str(load_device)},
-        max_memory=max_memory_with_headroom(str(load_device)),
-        trust_remote_code=spec.model.trust_remote_code,
-        use_safetensors=not spec.model.allow_pickle or None,
-        attn_implementation=_attn_implementation(spec.model.attn_implementation, plan.family),
-        **text_model_load_kwargs(model_dir),  # a multimodal checkpoint: its language model, no vision tower
-    )
+    multimodal = text_model_load_kwargs(model_dir)  # a multimodal checkpoint: its language model, no vision tower
+    with _load_report_held(bool(multimodal)):
+        model, loading_info = AutoModelForCausalLM.from_pretrained(
+            model_dir,
+            quantization_config=quant,
+            dtype=dtype,
+            device_map={"": str(load_device)},
+            max_memory=max_memory_with_headroom(str(load_device)),
+            trust_remote_code=spec.model.trust_remote_code,
+            use_safetensors=not spec.model.allow_pickle or None,
+            attn_implementation=_attn_implementation(spec.model.attn_implementation, plan.family),
+            output_loading_info=True,
+            **multimodal,
+        )
+    if multimodal:
+        _report_unloaded(model_dir, loading_info)
     model.config.use_cache = False
     n4 = keep_training_layout(model)
+    experts = quantize_model_experts(model, dtype)  # 3-D expert tensors, which bitsandbytes leaves in 16 bits
     if fsdp:
         _keep_quant_state_on_module(model)
     if on_host:
@@ -151,7 +227,14 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
             f"{bnb.__version__} may not support this device ({device})"
         )
     handle = registry.put("model", model)
-    log.info("loaded %s (%s) in NF4 on %s: %d 4-bit linears", model_dir, plan.family, device, n4)
+    log.info(
+        "loaded %s (%s) in NF4 on %s: %d 4-bit linears%s",
+        model_dir,
+        plan.family,
+        device,
+        n4,
+        f", {experts} expert blocks" if experts else "",
+    )
     return LoadResult(
         handle=handle,
         model_dir=str(model_dir),

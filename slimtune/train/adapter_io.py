@@ -25,10 +25,28 @@ def save_adapter(model, tokenizer, final: Path, state_dict: dict | None = None) 
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=state_dict)
+    add_expert_lora(tmp, model)
     _canonical_adapter_config(tmp / "adapter_config.json")
     _save_base_tokenizer(tokenizer, tmp)
     atomic.replace_dir(atomic.follow_umask(tmp), final)
     return final
+
+
+def add_expert_lora(folder: Path, model) -> None:
+    """Add a mixture-of-experts model's expert LoRA to the adapter file peft wrote in `folder` (peft saves its
+    own layers only); nothing for other models. Per expert, as peft would save LoRA on per-expert linears, so
+    that peft's load (resume) hands them back to NF4Experts and the merge applies them like any other LoRA."""
+    from safetensors.torch import load_file, save_file
+
+    from slimtune.kernels.nf4_experts import expert_lora_checkpoint
+
+    experts = expert_lora_checkpoint(model)
+    if not experts:
+        return
+    path = folder / "adapter_model.safetensors"
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({**load_file(path), **experts}, tmp, metadata={"format": "pt"})
+    tmp.replace(path)
 
 
 def _save_base_tokenizer(tokenizer, out: Path) -> None:

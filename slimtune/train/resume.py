@@ -169,6 +169,17 @@ def is_finished(checkpoint: Path) -> bool:
     return 0 < state.get("max_steps", 0) <= state.get("global_step", 0)
 
 
+def load_experts(model, checkpoint: Path) -> None:
+    """The checkpoint's expert LoRA into an MoE model's NF4Experts (nothing for other models): peft's load,
+    in Trainer's resume and in `restore_finished`, does not reach them (`slimtune.kernels.nf4_experts`)."""
+    from safetensors.torch import load_file
+
+    from slimtune.kernels.nf4_experts import NF4Experts, load_expert_lora
+
+    if any(isinstance(m, NF4Experts) for m in model.modules()):
+        load_expert_lora(model, load_file(checkpoint / "adapter_model.safetensors"))
+
+
 def restore_finished(trainer: Trainer, model, checkpoint: Path) -> None:
     """Load a finished checkpoint's adapter weights and trainer state instead of training.
 
@@ -180,6 +191,7 @@ def restore_finished(trainer: Trainer, model, checkpoint: Path) -> None:
     from safetensors.torch import load_file
 
     set_peft_model_state_dict(model, load_file(checkpoint / "adapter_model.safetensors"))
+    load_experts(model, checkpoint)
     trainer.state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE_NAME))
     log.info("%s is the finished checkpoint of this run: restored, nothing left to train", checkpoint)
 

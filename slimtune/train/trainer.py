@@ -37,7 +37,7 @@ from slimtune.report.artifacts import progress_key, run_key, stage_span, stage_t
 from slimtune.report.charts import LOSS_CURVE_KIND
 from slimtune.spec.schema import DataSpec, TrainSpec
 from slimtune.train import checkpoints
-from slimtune.train.adapter_io import save_adapter
+from slimtune.train.adapter_io import add_expert_lora, save_adapter
 from slimtune.train.arguments import ddp_bucket_cap_mb, training_arguments
 from slimtune.train.callbacks import LogCallback, PrefectProgressCallback, run_logger
 from slimtune.train.options import choose_batching, model_device, resolve_optimizer, resolve_precision
@@ -46,6 +46,7 @@ from slimtune.train.resume import (
     find_resume,
     fingerprint_of,
     is_finished,
+    load_experts,
     nothing_left,
     restore_finished,
     training_settings,
@@ -182,6 +183,7 @@ class _PublishCheckpoint(TrainerCallback):
         if not args.should_save:  # under DDP rank 0 alone publishes
             return
         staged = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        add_expert_lora(staged, self.trainer.model)  # peft's save leaves an MoE's expert LoRA out
         seconds = self.trainer.training_seconds()
         ours = {**self.trainer.checkpoint_state, "step": state.global_step, "train_seconds": seconds}
         checkpoints.commit(staged, self.root, ours, keep=args.save_total_limit or 1)
@@ -345,6 +347,8 @@ def train_adapter(
             )
             try:
                 # the bar closes also when training fails: the console gets its handlers back
+                if resume_from is not None:
+                    load_experts(model, resume_from)  # Trainer's resume loads peft's layers only
                 with contextlib.closing(bar), step_context(model, step_settings) as step:
                     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
                     if (graphs := step.graphs) is not None:

@@ -10,7 +10,8 @@ if not torch.cuda.is_available():  # Triton reads this when the kernels are deco
 import pytest
 
 from slimtune.kernels import KERNEL_NAMES, apply_kernels, resolve_selection
-from slimtune.models.families import FAMILIES, lora_target_modules
+from slimtune.models.families import FAMILIES
+from slimtune.models.lora_targets import lora_target_modules
 from slimtune.models.tiny import build_model, save_tiny
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,0 +1,73 @@
+"""Where a mixture-of-experts checkpoint keeps its experts, and where transformers 5 puts them.
+
+Checkpoints (the Hub's, and what transformers 5's save_pretrained writes for Qwen3-MoE) store each expert
+matrix under its own key, `<block>.<e>.{gate,up,down}_proj.weight` with `<block>` a layer's `mlp.experts`.
+transformers 5 loads them fused into two 3-D parameters per layer: `<block>.gate_up_proj` [E, 2I, H] (each
+expert's gate rows, then its up rows) and `<block>.down_proj` [E, H, I]. The checks compare the stored
+tensors with the fused model, the adapter is saved per expert (as peft would save LoRA on per-expert
+linears, so the merge applies it like any other LoRA), and the GGUF stacks them again.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import NamedTuple
+
+# transformers 5's fused experts modules that `slimtune.kernels.nf4_experts.NF4Experts` replaces
+EXPERT_CLASSES = ("Qwen3MoeExperts", "GptOssExperts")
+PER_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<tail>.+)$")
+# each fused projection (`<block>.<name>_proj`) -> the stored projections it holds, in row order
+HELD = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+class ExpertKey(NamedTuple):
+    block: str  # e.g. model.layers.0.mlp.experts
+    expert: int
+    tail: str  # e.g. gate_proj.weight
+
+
+def expert_count(config: dict) -> int:
+    """Experts per layer: the Hub's Qwen3-MoE config.json says `num_experts`; transformers 5 saves
+    `num_local_experts`."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def expert_key(name: str) -> ExpertKey | None:
+    """The block, expert and rest of a per-expert checkpoint key; None for any other tensor."""
+    m = PER_EXPERT.match(name)
+    return ExpertKey(m["block"], int(m["expert"]), m["tail"]) if m else None
+
+
+def per_expert_name(block: str, expert: int, proj: str) -> str:
+    """The checkpoint key of one expert's projection (the inverse of `expert_key`)."""
+    return f"{block}.{expert}.{proj}.weight"
+
+
+def per_expert_lora_key(block: str, expert: int, proj: str, half: str) -> str:
+    """peft's adapter-file key of one LoRA factor on one expert's projection, as if experts were linears."""
+    return f"{block}.{expert}.{proj}.lora_{half}.weight"
+
+
+def fused_shapes(stored: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
+    """The fused parameters' shapes (`<block>.gate_up_proj`, `<block>.down_proj`) that per-expert tensors make.
+
+    A block's experts are counted as stored (the highest index + 1: a missing expert then shows as a shape that
+    disagrees with the config); gate and up each give half of gate_up's rows.
+    """
+    experts: dict[str, int] = {}
+    shapes: dict[tuple[str, str], tuple[int, ...]] = {}
+    for name, shape in stored:
+        key = expert_key(name)
+        if key is None or not key.tail.endswith(".weight"):
+            continue
+        experts[key.block] = max(experts.get(key.block, 0), key.expert + 1)
+        shapes.setdefault((key.block, key.tail.removesuffix(".weight")), tuple(shape))
+    fused = {}
+    for block, count in experts.items():
+        gate, up, down = (shapes.get((block, p)) for p in ("gate_proj", "up_proj", "down_proj"))
+        if gate and up:
+            fused[f"{block}.gate_up_proj"] = (count, gate[0] + up[0], *gate[1:])
+        if down:
+            fused[f"{block}.down_proj"] = (count, *down)
+    return fused
