@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 from peft import PeftModel
+from random_adapter import merge_random_adapter
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Mistral3ForConditionalGeneration, Qwen3_5ForConditionalGeneration
@@ -306,21 +307,13 @@ def _merge_a_random_adapter(base: Path, tmp_path: Path, text_model_type: str, li
     the language model loads alone in NF4 (`linears` 4-bit linears, no vision parameter) and the merge is peft's."""
     spec = _spec(base, tmp_path)
     adapter = tmp_path / "adapter"
-    try:
-        loaded = load_4bit(spec)
+
+    def language_model_alone(loaded) -> None:
         assert loaded.model_type == text_model_type and loaded.linear_4bit == linears
         names = [n for n, _ in registry.get(loaded.handle).named_parameters()]
         assert not [n for n in names if "vision" in n or "projector" in n or "visual" in n]
-        peft_model = registry.get(attach_lora(spec, loaded.handle).handle)
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in peft_model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
-        peft_model.save_pretrained(adapter)
-    finally:
-        registry.release_all()
-    merged = Path(dequant_merge(spec, str(adapter), maximum_memory_usage=0.5).out_dir)
+
+    merged = merge_random_adapter(spec, adapter, language_model_alone)
     _assert_merged_like_peft(base, merged, adapter, n_targets=linears)
     return merged
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from tiny_flows import tiny_flow_spec
 
 from slimtune.cli.main import main
 from slimtune.core import registry
@@ -277,16 +278,8 @@ def test_flow_evaluates_trains_packed_merges_and_exports(prefect_harness, tmp_pa
     GGUF verified in llama.cpp against the merged model (the flow's own check)."""
     pytest.importorskip("llama_cpp")
     from slimtune.flows import finetune
-    from slimtune.spec.schema import load_spec
 
-    spec = load_spec(DATA_FILE.parent.parent / "tiny.yaml")
-    spec.model.name_or_path = "builtin:tiny-qwen3_5_text"
-    spec.output_dir = str(tmp_path)
-    data = tmp_path / "data.jsonl"  # 80 of the shipped records: 8 held out for eval
-    data.write_text("".join(DATA_FILE.read_text(encoding="utf-8").splitlines(keepends=True)[:80]))
-    spec.data.path = str(data)
-    spec.train.max_steps, spec.train.save_steps, spec.train.warmup_steps = 4, 2, 1
-    assert spec.data.eval_fraction > 0 and spec.export.gguf == ["f16", "q8_0"]
+    spec = tiny_flow_spec("qwen3_5_text", tmp_path)
     assert finetune(spec, return_state=True).is_completed()
     report = json.loads((spec.run_dir() / "report.json").read_text())
     train = report["packed_sft"]

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_flows import tiny_flow_spec
 
 from slimtune.checks.problems import spec_problems
 from slimtune.memory.estimate import estimate_load_4bit, estimate_train
 from slimtune.models.tiny import DATA_FILE
-from slimtune.spec.schema import PipelineSpec, load_spec
+from slimtune.spec.schema import PipelineSpec
 
 # Qwen3-30B-A3B's config.json (the Hub's keys: num_experts, not transformers 5's num_local_experts)
 QWEN3_30B_A3B = {
@@ -98,13 +99,7 @@ def test_flow_trains_the_experts_merges_and_exports(prefect_harness, tmp_path):
 
     from slimtune.flows import finetune
 
-    spec = load_spec(DATA_FILE.parent.parent / "tiny.yaml")
-    spec.model.name_or_path = "builtin:tiny-qwen3_moe"
-    spec.output_dir = str(tmp_path)
-    data = tmp_path / "data.jsonl"  # 80 of the shipped records: 8 held out for eval
-    data.write_text("".join(DATA_FILE.read_text(encoding="utf-8").splitlines(keepends=True)[:80]))
-    spec.data.path = str(data)
-    spec.train.max_steps, spec.train.save_steps, spec.train.warmup_steps = 4, 2, 1
+    spec = tiny_flow_spec("qwen3_moe", tmp_path)
     assert finetune(spec, return_state=True).is_completed()
     report = json.loads((spec.run_dir() / "report.json").read_text())
     assert {"experts.gate_up_proj", "experts.down_proj"} <= set(report["attach_lora"]["target_modules"])

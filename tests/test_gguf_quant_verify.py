@@ -10,9 +10,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_checks import PROMPTS, argmax_agreement
 
 from slimtune.export import GGUFVerifyError, convert_hf_to_gguf, gguf_quantize, quantize_gguf, verify_gguf
-from slimtune.export.gguf_verify import compare_logits, llama_cpp_logits, llama_cpp_tokenize, load_llama
+from slimtune.export.gguf_verify import llama_cpp_logits, llama_cpp_tokenize, load_llama
 from slimtune.export.llama_cpp_tokenizer import _LLAMA3_REGEX, _QWEN2_REGEX
 from slimtune.models.families import FAMILIES
 from slimtune.models.tiny import (
@@ -42,12 +43,6 @@ TEXTS = [
     "",
     "   ",
     "x",
-]
-PROMPTS = [
-    "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n",
-    "The quick brown fox jumps over the lazy dog, then counts 1, 2, 3 and 45678 sheep.",
-    "Explain gradient descent to a beginner in two sentences, with an example.",
-    "def add(a, b):\n    return a + b  # numbers: 3.14, 2.71 — ünïcode too",
 ]
 
 
@@ -199,17 +194,6 @@ _KQUANT_TYPE = {
 }
 
 
-def _argmax_agreement(llm, reference, tokenizer) -> float:
-    agree, n = 0.0, 0
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt)["input_ids"]
-            ref = reference(torch.tensor([ids])).logits[0].numpy()
-            agree += compare_logits(llama_cpp_logits(llm, ids), ref)["argmax_agreement"] * len(ids)
-            n += len(ids)
-    return agree / n
-
-
 @pytest.mark.parametrize(
     "family,method",
     [
@@ -230,7 +214,7 @@ def test_quantized_agrees_with_transformers_on_same_file(llama_cpp, tiny, ggufs,
         assert _KQUANT_TYPE[method] in _tensor_types(path).values()
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     llm = load_llama(path)
-    agreement = _argmax_agreement(llm, reference, AutoTokenizer.from_pretrained(tiny[family]))
+    agreement = argmax_agreement(llm, reference, AutoTokenizer.from_pretrained(tiny[family]))
     llm.close()
     assert agreement >= 0.95, (family, method, agreement)
 
@@ -278,7 +262,7 @@ def test_quantized_agrees_with_hf_on_dequantized_weights(llama_cpp, tiny, ggufs,
 
     path = _quantized_file(ggufs, tmp_path, family, method)
     llm = load_llama(path)
-    agreement = _argmax_agreement(
+    agreement = argmax_agreement(
         llm, _hf_with_gguf_weights(tiny[family], path, family), AutoTokenizer.from_pretrained(tiny[family])
     )
     llm.close()

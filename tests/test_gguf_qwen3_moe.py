@@ -3,6 +3,7 @@ order, the expert hyper-parameters, f16 and q8_0 logits against the HF model, an
 
 from __future__ import annotations
 
+import json
 import re
 import tracemalloc
 from pathlib import Path
@@ -11,20 +12,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_checks import PROMPTS, argmax_agreement
 
 from slimtune.export import convert_hf_to_gguf, quantize_gguf, verify_gguf
 from slimtune.export.gguf_experts import expert_stacks
-from slimtune.export.gguf_verify import compare_logits, llama_cpp_logits, load_llama
+from slimtune.export.gguf_verify import load_llama
 from slimtune.models.family_configs import qwen3_moe_check
-from slimtune.models.tiny import build_model, build_tokenizer, pretrain
+from slimtune.models.tiny import ensure_pretrained
 
 Q = gguf.GGMLQuantizationType
-PROMPTS = [
-    "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n",
-    "The quick brown fox jumps over the lazy dog, then counts 1, 2, 3 and 45678 sheep.",
-    "Explain gradient descent to a beginner in two sentences, with an example.",
-    "def add(a, b):\n    return a + b  # numbers: 3.14, 2.71 — ünïcode too",
-]
 _PROJECTIONS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
@@ -35,17 +31,21 @@ def llama_cpp():
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> Path:
-    """The tiny qwen3_moe (hidden 256, 8 experts of width 256, top-2; 2 layers) after `pretrain`'s 150 steps (a
-    random init's near-uniform logits flip the next token on any rounding), saved in bf16 as a merge writes it:
-    bf16 -> f16 is exact, so the f16 file holds HF's weights and its logit error is llama.cpp's arithmetic alone.
-    Saved by transformers 5 as the Hub ships it, one tensor per expert and projection (~3 min on 2 CPU cores)."""
-    out = tmp_path_factory.mktemp("qwen3_moe")
-    tokenizer = build_tokenizer()
-    # norm_topk_prob: the released Qwen3-MoE checkpoints renormalize the top-k weights, as llama.cpp always does
-    model = build_model("qwen3_moe", len(tokenizer), num_hidden_layers=2, norm_topk_prob=True)
-    pretrain(model, tokenizer).to(torch.bfloat16).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    """The tiny qwen3_moe (hidden 256, 8 experts of width 256, top-2, 4 layers) after `pretrain`'s 150 steps (a
+    random init's near-uniform logits flip the next token on any rounding): the cached model
+    tests/test_gguf_quant_verify.py holds to the families' bars, saved again in bf16 as a merge writes it. bf16 ->
+    f16 is exact, so the f16 file holds HF's weights and its logit error is llama.cpp's arithmetic alone. Saved
+    by transformers 5 as the Hub ships it, one tensor per expert and projection."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, out = ensure_pretrained("qwen3_moe"), tmp_path_factory.mktemp("qwen3_moe")
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
     return out
+
+
+def _layers(model_dir: Path) -> range:
+    return range(json.loads((model_dir / "config.json").read_text())["num_hidden_layers"])
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_experts_are_stacked_in_expert_order(moe_dir, ggufs):
     assert not [n for n in tensors if "experts" in n]
     [file] = moe_dir.glob("*.safetensors")
     with safe_open(file, framework="pt") as f:
-        for layer in range(2):
+        for layer in _layers(moe_dir):
             router = tensors[f"blk.{layer}.ffn_gate_inp.weight"]
             assert np.array_equal(router.data, f.get_tensor(f"model.layers.{layer}.mlp.gate.weight").half().numpy())
             for hf, name in _PROJECTIONS.items():
@@ -116,8 +116,8 @@ def test_f16_gguf_matches_hf(llama_cpp, moe_dir, ggufs):
     report = verify_gguf(ggufs("f16"), moe_dir, PROMPTS)
     assert report["token_ids_equal"] and report["positions"] > 150, report
     # The weights are exact (bf16 checkpoint); ggml rounds activations to f16 before f16 matmuls (2^-11
-    # relative): measured 0.025 max over 180 positions, every next token HF's. A router picking another
-    # expert, or an expert's rows in the wrong order, moves logits by whole units (1.5 measured for a flip).
+    # relative): measured 0.023 max over 180 positions, every next token HF's (2026-11-27). A router picking
+    # another expert, or an expert's rows in the wrong order, moves logits by whole units.
     assert 1e-6 < report["max_abs_logit_diff"] < 0.1, report
     assert report["argmax_agreement"] == 1.0, report
 
@@ -125,11 +125,11 @@ def test_f16_gguf_matches_hf(llama_cpp, moe_dir, ggufs):
 def test_q8_0_gguf_picks_hf_next_token(llama_cpp, moe_dir, ggufs):
     path = ggufs("q8_0")
     types = {t.name: Q(t.tensor_type) for t in gguf.GGUFReader(path).tensors}
-    assert all(types[f"blk.{i}.{name}.weight"] == Q.Q8_0 for i in range(2) for name in _PROJECTIONS.values())
+    assert all(types[f"blk.{i}.{name}.weight"] == Q.Q8_0 for i in _layers(moe_dir) for name in _PROJECTIONS.values())
     report = verify_gguf(path, moe_dir, PROMPTS)
     assert report["token_ids_equal"], report
-    # Measured: 178 of 180 positions (98.9%). 8-bit experts also flip the router's choice where its top-k
-    # probabilities nearly tie, which moves that position's logits by ~1.5 (largest error measured).
+    # Measured 2026-11-27: 177 of 180 positions (98.3%), largest logit error 2.87. 8-bit experts also flip the
+    # router's choice where its top-k probabilities nearly tie, which moves that position's logits by units.
     assert report["argmax_agreement"] >= 0.98, report
     assert report["max_abs_logit_diff"] > 1e-3, report  # 8-bit weights really moved the logits
 
@@ -170,21 +170,16 @@ def test_k_quant_experts_run_in_llama_cpp(llama_cpp, moe_dir, ggufs, tmp_path):
 
     path = quantize_gguf(ggufs("f16"), tmp_path / "moe-q4_k_m.gguf", "q4_k_m")
     types = {t.name: Q(t.tensor_type) for t in gguf.GGUFReader(path).tensors}
-    assert {types[f"blk.{i}.{name}.weight"] for i in range(2) for name in _PROJECTIONS.values()} <= {Q.Q4_K, Q.Q6_K}
+    experts = {types[f"blk.{i}.{name}.weight"] for i in _layers(moe_dir) for name in _PROJECTIONS.values()}
+    assert experts <= {Q.Q4_K, Q.Q6_K}
     reference = _hf_with_gguf_weights(moe_dir, path)
     tokenizer = AutoTokenizer.from_pretrained(moe_dir)
     llm = load_llama(path)
-    agree, n = 0.0, 0
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt)["input_ids"]
-            ref = reference(torch.tensor([ids])).logits[0].numpy()
-            agree += compare_logits(llama_cpp_logits(llm, ids), ref)["argmax_agreement"] * len(ids)
-            n += len(ids)
+    agreement = argmax_agreement(llm, reference, tokenizer)
     llm.close()
-    # Measured 176 of 180 (97.8%); the rest is llama.cpp quantizing activations to 8 bits for k-quant dot products,
-    # which flips the router's top-2 where probabilities nearly tie (q6_k: 99.4%, q8_0: 100% on the same check)
-    assert agree / n >= 0.95, agree / n
+    # Measured 2026-11-27: 177 of 180 (98.3%, q6_k the same); the rest is llama.cpp quantizing activations to 8 bits
+    # for k-quant dot products, which flips the router's top-2 where probabilities nearly tie
+    assert agreement >= 0.95, agreement
 
 
 _RELEASED = {  # Qwen3-30B-A3B's routing config (its sizes do not matter to the check)

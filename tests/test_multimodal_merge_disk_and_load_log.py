@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_adapter import merge_random_adapter
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -19,8 +20,6 @@ from slimtune.models.source import ModelSourceError
 from slimtune.models.tiny import save_tiny, save_tiny_multimodal
 from slimtune.plan.fit import Budget, model_config, plan, stored_tensor_bytes
 from slimtune.spec.schema import ModelSpec, PipelineSpec
-from slimtune.tasks.attach_lora import attach_lora
-from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.load_4bit import load_4bit
 
 # A released Qwen3.5 checkpoint's multi-token prediction: one decoder layer of the model's width beside `fc`, which
@@ -71,24 +70,9 @@ def _spec(base: Path, root: Path) -> PipelineSpec:
     return spec
 
 
-def _merge_a_random_adapter(spec: PipelineSpec, adapter: Path) -> Path:
-    """load_4bit, attach_lora with a random non-zero B standing in for training, and dequant_merge."""
-    try:
-        peft_model = registry.get(attach_lora(spec, load_4bit(spec).handle).handle)
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in peft_model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
-        peft_model.save_pretrained(adapter)
-    finally:
-        registry.release_all()
-    return Path(dequant_merge(spec, str(adapter), maximum_memory_usage=0.5).out_dir)
-
-
 def test_plan_disk_for_the_merge_is_what_the_merge_writes(base, tmp_path):
     spec = _spec(base, tmp_path)
-    merged = _merge_a_random_adapter(spec, tmp_path / "adapter")
+    merged = merge_random_adapter(spec, tmp_path / "adapter")
     assert {k for k in _tensors(merged) if k.startswith("mtp.")} == set(_MTP)  # the merge copies them
     rows, _ = plan(spec, model_config(spec), Budget(None, None, None))
     (merge,) = [r for r in rows if r.stage == "dequant_merge"]

@@ -199,8 +199,8 @@ def _gpt_oss_gate(alpha: float, limit: float, gate_up: torch.Tensor) -> torch.Te
 class NF4Experts(nn.Module):
     """A drop-in for `Qwen3MoeExperts`/`GptOssExperts`: NF4 expert weights, optional LoRA per expert.
 
-    LoRA (when `rank > 0`): per projection `lora_A` [E, r, in] (kaiming-uniform, as peft) and `lora_B`
-    [E, out, r] (zeros), adding `(x @ A_e^T) @ B_e^T * alpha / r` to each routed token's projection.
+    LoRA (`add_lora`): per projection `<name>_lora_A` [E, r, in] (kaiming-uniform, as peft) and `<name>_lora_B`
+    [E, out, r] (zeros), adding `(dropout(x) @ A_e^T) @ B_e^T * scale` to each routed token's projection.
     """
 
     def __init__(
