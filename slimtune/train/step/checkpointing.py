@@ -293,6 +293,8 @@ def _patched(model: nn.Module) -> list[tuple[_CheckpointedForward, nn.Module]]:
 
 def graphs_refusal(model: nn.Module) -> str | None:
     """Why `graphed_backward` would leave `model`'s layers eager, or None when it graphs them."""
+    from slimtune.kernels.nf4_experts import NF4Experts  # imports bitsandbytes, which only MoE models need here
+
     patched = _patched(model)
     if not patched or any(f.mode != "unsloth" for f, _ in patched):
         return 'only layers under "unsloth" checkpointing are captured'
@@ -300,6 +302,8 @@ def graphs_refusal(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if hasattr(config, "num_kv_shared_layers"):  # the layers' `shared_kv_states` argument
         return "the layers hand key/value states to later ones in a shared dict (Gemma 4); a replay would not fill it"
+    if any(isinstance(m, NF4Experts) for layer in layers for m in layer.modules()):
+        return "the host picks which experts to run from each batch's routing (mixture of experts); a replay would not"
     device = next((p.device for layer in layers for p in layer.parameters()), torch.device("cpu"))
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
