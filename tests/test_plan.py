@@ -139,3 +139,21 @@ def test_cli_plan_of_a_cpu_spec_prints_no_gpu_figures(tmp_path, capsys):
     rows = [line.split()[0] for line in out.splitlines() if line.startswith("    ")]
     assert rows.count("host") == 4 and set(rows) <= {"host", "disk"}, out
     assert "budget: host 64.00 GiB (model.device is cpu)" in out
+
+
+def test_the_merge_disk_follows_the_checkpoint_dtype_under_auto(tmp_path):
+    """`merge.output_dtype: auto` writes the checkpoint's own dtype: a float32 checkpoint needs twice the disk of a
+    bfloat16 one, as the merge itself would write (config.json's `dtype`, or `torch_dtype` of older ones)."""
+
+    def merge_disk(config: dict, output_dtype: str = "auto") -> int:
+        spec = _spec(tmp_path)
+        spec.merge.output_dtype = output_dtype
+        rows, _ = plan(spec, config, Budget(80 * _GIB, None, 64 * _GIB))
+        return next(r for r in rows if r.stage == "dequant_merge").estimate.disk_bytes
+
+    bf16 = merge_disk({**LLAMA_8B, "dtype": "bfloat16"})
+    assert (
+        merge_disk({**LLAMA_8B, "dtype": "float32"}) == merge_disk({**LLAMA_8B, "torch_dtype": "float32"}) == 2 * bf16
+    )
+    assert merge_disk({**LLAMA_8B, "dtype": "float32"}, "bfloat16") == bf16  # a dtype asked for wins
+    assert merge_disk({k: v for k, v in LLAMA_8B.items() if k not in ("dtype", "torch_dtype")}) == bf16

@@ -15,6 +15,7 @@ from slimtune.core import atomic
 from slimtune.memory.sampler import PeakSampler
 from slimtune.merge.budgets import OutputShard, plan_shards, preflight_disk, resolve_budgets, spill_bound
 from slimtune.models.multimodal import checkpoint_names, copied_keys, layout_of
+from slimtune.models.source import config_dtype
 
 from .errors import AlreadyMergedError, MergeError
 from .lora_delta import ADAPTER_FILES, check_against_base, load_adapter
@@ -83,8 +84,7 @@ def _output_dtype(config: dict, entries: list[TensorEntry], requested: torch.dty
         if requested not in _DTYPE_NAMES.values():
             raise ValueError(f"output_dtype {requested}: use torch.bfloat16, torch.float16 or torch.float32")
         return requested
-    named = config.get("dtype") or config.get("torch_dtype")
-    if named in _DTYPE_NAMES:
+    if (named := config_dtype(config)) is not None:
         return _DTYPE_NAMES[named]
     stored = [e.dtype for e in entries if e.dtype in FLOAT16_32]
     return DTYPES[max(set(stored), key=stored.count)]

@@ -82,6 +82,13 @@ def architecture_problem(model: ModelSpec) -> str | None:
     return check_architecture(json.loads(Path(config_file).read_text(encoding="utf-8")))
 
 
+def config_dtype(config: dict) -> str | None:
+    """The dtype config.json says the weights are in ("bfloat16", "float16", "float32"; transformers 5 writes
+    `dtype`, older checkpoints `torch_dtype`), or None: what `merge.output_dtype: auto` writes."""
+    named = config.get("dtype") or config.get("torch_dtype")
+    return named if named in ("bfloat16", "float16", "float32") else None
+
+
 def read_config(model_dir: Path) -> dict:
     """config.json as a dict, with a clear error when it is missing."""
     cfg = model_dir / "config.json"

@@ -19,6 +19,7 @@ from typing import Any
 
 from slimtune.memory.estimate import Estimate, estimate_export, estimate_load_4bit, estimate_merge, estimate_train
 from slimtune.models.multimodal import copied_bytes, layout_of, trained_config
+from slimtune.models.source import config_dtype
 from slimtune.spec.schema import PipelineSpec
 
 _GIB = 1024**3
@@ -242,7 +243,7 @@ def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan]
         stages["dequant_merge"] = estimate_merge(
             cfg,
             max_shard_bytes=int(spec.merge.max_shard_size_gb * 1e9),
-            output_dtype_bytes=DTYPE_BYTES.get(spec.merge.output_dtype, 2),
+            output_dtype_bytes=_merge_output_bytes(spec, cfg),
             copied_bytes=copied,
         )
         if spec.export.gguf:
@@ -254,6 +255,13 @@ def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan]
         "largest_seq_len": _largest_seq(spec, cfg, budget, micro_batch, device_type) if budget.gpu_total else None,
     }
     return rows, limits
+
+
+def _merge_output_bytes(spec: PipelineSpec, cfg: dict) -> int:
+    """Bytes per weight the merge writes: merge.output_dtype, or with `auto` the checkpoint's own dtype as config.json
+    names it (the merge's rule); 2 where it names none (16-bit, as the released checkpoints)."""
+    named = spec.merge.output_dtype if spec.merge.output_dtype != "auto" else config_dtype(cfg)
+    return DTYPE_BYTES.get(named or "bfloat16", 2)
 
 
 # GPU memory of the cards a pool is likely made of, GiB (T4 16, A10 24, L40S 48, A100/H100 80, H200 141,
