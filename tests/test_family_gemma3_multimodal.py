@@ -16,9 +16,9 @@ import bitsandbytes as bnb
 import pytest
 import torch
 import yaml
+from checkpoint_files import checkpoint_tensors
 from peft import PeftModel
 from random_adapter import merge_random_adapter
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Mistral3ForConditionalGeneration, Qwen3_5ForConditionalGeneration
 
@@ -44,14 +44,6 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog, then counts 1, 2, 3 and 45678 sheep.",
     "Explain gradient descent to a beginner in two sentences, with an example.",
 ]
-
-
-def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +172,7 @@ def test_nf4_load_holds_the_language_model_alone(base, run):
     assert not [n for n in run["names"] if "vision" in n or "multi_modal" in n]  # the tower is never loaded
     # every decoder projection in NF4 (7 per layer, 6 layers), under the text model's own names
     assert len(run["linear_4bit"]) == loaded.linear_4bit == 7 * 6
-    keys = checkpoint_names(_tensors(base))
+    keys = checkpoint_names(checkpoint_tensors(base))
     text_weights = {n for n in run["names"] if not n.startswith("lm_head")}
     assert {f"{n}.weight" for n in run["linear_4bit"]} <= set(keys) and text_weights <= set(keys)
 
@@ -207,7 +199,7 @@ def test_merge_keeps_the_layout_and_matches_peft(base, run):
 
 def _assert_merged_like_peft(base: Path, merged: Path, adapter: Path, n_targets: int) -> None:
     """The merged checkpoint has the base's layout, its vision weights byte for byte, and peft's merged text weights."""
-    before, after = _tensors(base), _tensors(merged)
+    before, after = checkpoint_tensors(base), checkpoint_tensors(merged)
     assert set(after) == set(before)  # the checkpoint's own key names
     config, merged_config = (json.loads((d / "config.json").read_text()) for d in (base, merged))
     assert merged_config["architectures"] == config["architectures"] and config["architectures"][0].endswith(
@@ -269,7 +261,7 @@ def test_a_checkpoint_in_transformers_in_memory_layout_loads_and_merges_under_it
     for f in base.iterdir():
         if f.suffix != ".safetensors":
             (other / f.name).write_bytes(f.read_bytes())
-    before = {_in_memory_key(k): t for k, t in _tensors(base).items()}
+    before = {_in_memory_key(k): t for k, t in checkpoint_tensors(base).items()}
     assert any(k.startswith("model.language_model.") for k in before)
     save_file(before, other / "model.safetensors", metadata={"format": "pt"})
     ids = torch.arange(1, 40).view(1, -1)
@@ -281,9 +273,9 @@ def test_a_checkpoint_in_transformers_in_memory_layout_loads_and_merges_under_it
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)  # the same language model, from either layout
     spec = _spec(other, tmp_path)
     merged = Path(dequant_merge(spec, run["report"].adapter_dir, maximum_memory_usage=0.5).out_dir)
-    after = _tensors(merged)
+    after = checkpoint_tensors(merged)
     assert set(after) == set(before)
-    expected = {_in_memory_key(k): t for k, t in _tensors(run["merged"]).items()}
+    expected = {_in_memory_key(k): t for k, t in checkpoint_tensors(run["merged"]).items()}
     for key, t in after.items():  # the same merge as of the fixture's layout, tensor for tensor
         assert torch.equal(t, expected[key]), key
 
@@ -339,7 +331,7 @@ def test_mistral3_language_model_loads_merges_and_converts(tmp_path):
     base = save_tiny_multimodal(tmp_path / "base", ensure_pretrained("mistral", "llama2"), "mistral3")
     assert check_architecture(json.loads((base / "config.json").read_text())) is None
     merged = _merge_a_random_adapter(base, tmp_path, "mistral", linears=7 * 4)
-    assert "language_model.lm_head.weight" in _tensors(merged)  # untied: the head is the checkpoint's own tensor
+    assert "language_model.lm_head.weight" in checkpoint_tensors(merged)  # untied: the checkpoint's own head
     # no Auto class loads Mistral3ForConditionalGeneration as a causal LM: its own class, against the text model
     _assert_alone_is_whole_and_f16_verifies(merged, Mistral3ForConditionalGeneration, tmp_path)
 
@@ -348,7 +340,7 @@ def test_plan_counts_the_vision_weights_the_merge_copies_on_disk(base):
     """The merged checkpoint keeps the vision tower and projector as stored: `plan`'s disk for the merge counts
     their bytes, as the checkpoint's own files hold them (not only the language model's)."""
     config = json.loads((base / "config.json").read_text())
-    stored = sum(t.numel() * t.element_size() for key, t in _tensors(base).items() if text_key(key) is None)
+    stored = sum(t.numel() * t.element_size() for key, t in checkpoint_tensors(base).items() if text_key(key) is None)
     spec = PipelineSpec.model_validate({"name": "g", "model": {"name_or_path": str(base)}, "data": {"path": "x"}})
     assert stored > 0 and copied_bytes(config, stored_tensor_bytes(spec)) == stored
     rows, _ = plan(spec, config, Budget(None, None, None))
@@ -366,7 +358,7 @@ def test_qwen35_language_model_loads_merges_and_converts(tmp_path):
     assert check_architecture(json.loads((base / "config.json").read_text())) is None
     # the released checkpoints also hold multi-token-prediction weights, which transformers' class does not load
     [shard] = base.glob("*.safetensors")
-    tensors = _tensors(base)
+    tensors = checkpoint_tensors(base)
     save_file({**tensors, "mtp.fc.weight": torch.randn(256, 512)}, str(shard), metadata={"format": "pt"})
     assert any(key.startswith("model.visual.") for key in tensors)
     merged = _merge_a_random_adapter(base, tmp_path, "qwen3_5_text", linears=31)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_files import checkpoint_tensors
 from random_adapter import merge_random_adapter
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from slimtune.core import registry
@@ -38,17 +38,9 @@ _MTP = {
 }
 
 
-def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
-
 def _add_tensors(model_dir: Path, extra: dict[str, torch.Tensor]) -> None:
     [shard] = model_dir.glob("*.safetensors")
-    save_file({**_tensors(model_dir), **extra}, str(shard), metadata={"format": "pt"})
+    save_file({**checkpoint_tensors(model_dir), **extra}, str(shard), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +65,13 @@ def _spec(base: Path, root: Path) -> PipelineSpec:
 def test_plan_disk_for_the_merge_is_what_the_merge_writes(base, tmp_path):
     spec = _spec(base, tmp_path)
     merged = merge_random_adapter(spec, tmp_path / "adapter")
-    assert {k for k in _tensors(merged) if k.startswith("mtp.")} == set(_MTP)  # the merge copies them
+    assert {k for k in checkpoint_tensors(merged) if k.startswith("mtp.")} == set(_MTP)  # the merge copies them
     rows, _ = plan(spec, model_config(spec), Budget(None, None, None))
     (merge,) = [r for r in rows if r.stage == "dequant_merge"]
     planned = merge.estimate.disk_bytes
     # the tensors' bytes, exactly: the bf16 language model plus the tower and mtp as stored (before the plan
     # counted them from a meta-device model, which has no mtp: 3,408,896 bytes short, 34% of these)
-    tensors = sum(t.numel() * t.element_size() for t in _tensors(merged).values())
+    tensors = sum(t.numel() * t.element_size() for t in checkpoint_tensors(merged).values())
     assert planned == tensors
     # The folder also holds the safetensors header, the index, config, tokenizer and manifest, which the merge's
     # disk preflight covers with a fixed 64 MiB (not the plan's figure): measured 66.5 KB here, 0.7% of the folder
@@ -97,7 +89,7 @@ def test_load_says_in_one_line_what_it_left_for_the_merge_and_still_reports_a_st
     base = save_tiny_multimodal(tmp_path / "base", save_tiny(tmp_path / "text", text_family), model_type)
     if model_type == "qwen3_5":
         _add_tensors(base, {k: torch.zeros(shape) for k, shape in _MTP.items()})
-    left = [k for k in _tensors(base) if text_key(k) is None]
+    left = [k for k in checkpoint_tensors(base) if text_key(k) is None]
     vision = [k for k in left if not k.startswith("mtp.")]
     mtp = len(left) - len(vision)  # 9 in the Qwen3.5 checkpoint, none in the others
     expected = f"left {mtp} mtp and {len(vision)} vision tower tensors" if mtp else f"left {len(vision)} vision tower"
@@ -120,7 +112,7 @@ def test_load_says_in_one_line_what_it_left_for_the_merge_and_still_reports_a_st
     assert expected in line, line
     assert not [r for r in records if r.levelno >= logging.WARNING]  # nothing else was left out
     # a key the language model should have had, and one outside the known parts: both still reported
-    some_text_key = next(k for k in _tensors(base) if k.endswith("layers.0.mlp.down_proj.weight"))
+    some_text_key = next(k for k in checkpoint_tensors(base) if k.endswith("layers.0.mlp.down_proj.weight"))
     stray = some_text_key.replace("down_proj", "stray_proj")
     _add_tensors(base, {stray: torch.zeros(4, 4), "audio_tower.proj.weight": torch.zeros(4, 4)})
     records, shown = load()
