@@ -20,7 +20,12 @@ from checkpoint_files import checkpoint_tensors
 from peft import PeftModel
 from random_adapter import merge_random_adapter
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, Mistral3ForConditionalGeneration, Qwen3_5ForConditionalGeneration
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma4ForConditionalGeneration,
+    Mistral3ForConditionalGeneration,
+    Qwen3_5ForConditionalGeneration,
+)
 
 from slimtune.cli.main import EXIT_INVALID_SPEC, main
 from slimtune.core import registry
@@ -197,8 +202,11 @@ def test_merge_keeps_the_layout_and_matches_peft(base, run):
     _assert_merged_like_peft(base, run["merged"], Path(run["report"].adapter_dir), n_targets=7 * 6)
 
 
-def _assert_merged_like_peft(base: Path, merged: Path, adapter: Path, n_targets: int) -> None:
-    """The merged checkpoint has the base's layout, its vision weights byte for byte, and peft's merged text weights."""
+def _assert_merged_like_peft(
+    base: Path, merged: Path, adapter: Path, n_targets: int, n_linears: int | None = None
+) -> None:
+    """The merged checkpoint has the base's layout, its vision weights byte for byte, and peft's merged text weights
+    (`n_targets` LoRA targets among `n_linears` 4-bit linears, the same unless some stay frozen)."""
     before, after = checkpoint_tensors(base), checkpoint_tensors(merged)
     assert set(after) == set(before)  # the checkpoint's own key names
     config, merged_config = (json.loads((d / "config.json").read_text()) for d in (base, merged))
@@ -209,8 +217,15 @@ def _assert_merged_like_peft(base: Path, merged: Path, adapter: Path, n_targets:
     assert merged_config["vision_config"] == config["vision_config"]
     names = checkpoint_names(before)
     vision = set(before) - set(names.values())
-    # Qwen3.5: its tower and merger under model.visual, its multi-token prediction under mtp
-    towers = ("vision_tower.", "multi_modal_projector.", "model.visual.", "mtp.")
+    # Qwen3.5: its tower and merger under model.visual, its multi-token prediction under mtp; Gemma 4: embed_vision
+    towers = (
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.visual.",
+        "mtp.",
+        "model.vision_tower.",
+        "model.embed_vision.",
+    )
     assert vision and all(k.startswith(towers) for k in vision)
     for key in vision:  # copied through byte for byte
         assert after[key].dtype == before[key].dtype and torch.equal(after[key], before[key]), key
@@ -227,7 +242,7 @@ def _assert_merged_like_peft(base: Path, merged: Path, adapter: Path, n_targets:
     assert changed == n_targets  # every LoRA target moved; nothing else did
     # the dequantized source rebuilds exactly the NF4 weights training saw: the language model's, by checkpoint key
     quantized = {names[n] for n in quantized_tensor_names(base, TRAINING_NF4)}
-    assert len(quantized) == n_targets and not quantized & vision
+    assert len(quantized) == (n_targets if n_linears is None else n_linears) and not quantized & vision
 
 
 def test_the_language_model_alone_computes_what_the_whole_checkpoint_does_on_text(run):
@@ -294,9 +309,12 @@ def test_gguf_of_the_language_model_runs_in_llama_cpp(run, tmp_path, out_type):
     assert report["argmax_agreement"] >= 0.97 and low < report["max_abs_logit_diff"] < high, report
 
 
-def _merge_a_random_adapter(base: Path, tmp_path: Path, text_model_type: str, linears: int) -> Path:
+def _merge_a_random_adapter(
+    base: Path, tmp_path: Path, text_model_type: str, linears: int, targets: int | None = None
+) -> Path:
     """load_4bit, attach_lora and dequant_merge of `base`, a random non-zero LoRA B standing in for training; checks
-    the language model loads alone in NF4 (`linears` 4-bit linears, no vision parameter) and the merge is peft's."""
+    the language model loads alone in NF4 (`linears` 4-bit linears, no vision parameter) and the merge is peft's
+    (`targets` LoRA targets: `linears` unless some 4-bit linears stay frozen)."""
     spec = _spec(base, tmp_path)
     adapter = tmp_path / "adapter"
 
@@ -306,7 +324,9 @@ def _merge_a_random_adapter(base: Path, tmp_path: Path, text_model_type: str, li
         assert not [n for n in names if "vision" in n or "projector" in n or "visual" in n]
 
     merged = merge_random_adapter(spec, adapter, language_model_alone)
-    _assert_merged_like_peft(base, merged, adapter, n_targets=linears)
+    _assert_merged_like_peft(
+        base, merged, adapter, n_targets=linears if targets is None else targets, n_linears=linears
+    )
     return merged
 
 
@@ -334,6 +354,21 @@ def test_mistral3_language_model_loads_merges_and_converts(tmp_path):
     assert "language_model.lm_head.weight" in checkpoint_tensors(merged)  # untied: the checkpoint's own head
     # no Auto class loads Mistral3ForConditionalGeneration as a causal LM: its own class, against the text model
     _assert_alone_is_whole_and_f16_verifies(merged, Mistral3ForConditionalGeneration, tmp_path)
+
+
+def test_gemma4_language_model_loads_merges_and_converts(tmp_path):
+    """Gemma 4's layout (its vision encoder and `embed_vision`; per-layer inputs and KV sharing in the language
+    model): the same stages without the training run. Six layers of nine 4-bit linears (the per-layer input gate
+    and projection stay frozen) and the model's per-layer input projection; LoRA on the seven projections."""
+    pytest.importorskip("llama_cpp")
+    base = save_tiny_multimodal(tmp_path / "base", ensure_pretrained("gemma4_text", "gemma"), "gemma4")
+    config = json.loads((base / "config.json").read_text())
+    assert check_architecture(config) is None
+    moe = {**config, "text_config": {**config["text_config"], "enable_moe_block": True}}  # Gemma 4 26B-A4B
+    assert "mixture-of-experts block (Gemma 4 26B-A4B) is not supported" in check_architecture(moe)
+    merged = _merge_a_random_adapter(base, tmp_path, "gemma4_text", linears=9 * 6 + 1, targets=7 * 6)
+    assert any(key.startswith("model.embed_vision.") for key in checkpoint_tensors(merged))
+    _assert_alone_is_whole_and_f16_verifies(merged, Gemma4ForConditionalGeneration, tmp_path)
 
 
 def test_plan_counts_the_vision_weights_the_merge_copies_on_disk(base):

@@ -81,7 +81,8 @@ def test_plan_disk_for_the_merge_is_what_the_merge_writes(base, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "model_type, text_family", [("gemma3", "gemma3_text"), ("mistral3", "mistral"), ("qwen3_5", "qwen3_5_text")]
+    "model_type, text_family",
+    [("gemma3", "gemma3_text"), ("mistral3", "mistral"), ("gemma4", "gemma4_text"), ("qwen3_5", "qwen3_5_text")],
 )
 def test_load_says_in_one_line_what_it_left_for_the_merge_and_still_reports_a_stray_key(
     model_type, text_family, tmp_path, caplog, capfd

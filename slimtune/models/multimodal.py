@@ -1,13 +1,14 @@
 """Multimodal checkpoints whose language model is a supported text family: slimtune fine-tunes that model on text.
 
 The vision tower is not loaded at all (text data never reaches it): on text-only input, Gemma 3's
-`Gemma3ForConditionalGeneration`, Mistral 3's `Mistral3ForConditionalGeneration` and Qwen3.5's
-`Qwen3_5ForConditionalGeneration` compute exactly what their language model alone (`Gemma3ForCausalLM` /
-`MistralForCausalLM` / `Qwen3_5ForCausalLM` on the `text_config`) computes (the tiny models: logits equal to the
-bit), so loading the language model alone is correct and spares the tower's memory (SigLIP in Gemma-3-4B: 0.42 B
-parameters by its vision_config, 0.8 GB in bf16). LoRA, training and GGUF then see a plain text family; only the
-checkpoint keys differ, and this module maps them both ways so that the merge writes the checkpoint's own key names
-and copies the other weights (vision tower, projector, Qwen3.5's multi-token prediction) through untouched.
+`Gemma3ForConditionalGeneration`, Mistral 3's `Mistral3ForConditionalGeneration`, Gemma 4's
+`Gemma4ForConditionalGeneration` and Qwen3.5's `Qwen3_5ForConditionalGeneration` compute exactly what their
+language model alone (`Gemma3ForCausalLM` / `MistralForCausalLM` / `Gemma4ForCausalLM` / `Qwen3_5ForCausalLM` on
+the `text_config`) computes (the tiny models: logits equal to the bit), so loading the language model alone is
+correct and spares the tower's memory (SigLIP in Gemma-3-4B: 0.42 B parameters by its vision_config, 0.8 GB in
+bf16). LoRA, training and GGUF then see a plain text family; only the checkpoint keys differ, and this module maps
+them both ways so that the merge writes the checkpoint's own key names and copies the other weights (vision and
+audio towers, projectors, Qwen3.5's multi-token prediction) through untouched.
 """
 
 from __future__ import annotations
@@ -70,6 +71,25 @@ LAYOUTS: dict[str, Layout] = {
             },
         ),
         Layout(
+            "gemma4",
+            "Gemma4ForConditionalGeneration",
+            "gemma4_text",
+            # its vision encoder with one layer; `embed_vision` projects the pooled patches into the text space
+            tiny={
+                "vision_config": {
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 2,
+                    "head_dim": 16,
+                    "patch_size": 14,
+                    "pooling_kernel_size": 2,
+                    "position_embedding_size": 64,
+                }
+            },
+        ),
+        Layout(
             "qwen3_5",
             "Qwen3_5ForConditionalGeneration",
             "qwen3_5_text",
@@ -100,12 +120,16 @@ _TEXT_PREFIXES = (
     ("lm_head.", "lm_head."),
 )
 # The layouts' weights outside the language model, by key prefix in either layout: Gemma 3's and Mistral 3's tower
-# and projector, Qwen3.5's tower with its merger (model.visual) and its multi-token prediction
+# and projector, Gemma 4's towers and their embedders (the audio one in E2B/E4B), Qwen3.5's tower with its merger
+# (model.visual) and its multi-token prediction
 _COPIED_PARTS = {
     "vision_tower.": "vision tower",
     "multi_modal_projector.": "vision tower",
     "model.vision_tower.": "vision tower",
     "model.multi_modal_projector.": "vision tower",
+    "model.embed_vision.": "vision tower",
+    "model.audio_tower.": "audio tower",
+    "model.embed_audio.": "audio tower",
     "model.visual.": "vision tower",
     "mtp.": "mtp",
 }

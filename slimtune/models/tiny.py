@@ -231,7 +231,10 @@ def save_tiny_multimodal(out_dir: Path, text_dir: Path, model_type: str = "gemma
 
     layout = LAYOUTS[model_type]
     text = transformers.AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
-    config = transformers.AutoConfig.for_model(model_type, text_config=text.config.to_dict(), **layout.tiny)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(text_dir)
+    # the pad id in text_config, as the released checkpoints have it (Gemma 4's whole model masks with it)
+    text_config = {**text.config.to_dict(), "pad_token_id": tokenizer.pad_token_id}
+    config = transformers.AutoConfig.for_model(model_type, text_config=text_config, **layout.tiny)
     config.architectures = [layout.architecture]
     config.tie_word_embeddings = text.config.tie_word_embeddings  # the layouts' default is tied, Mistral's is not
     torch.manual_seed(seed)
@@ -239,7 +242,7 @@ def save_tiny_multimodal(out_dir: Path, text_dir: Path, model_type: str = "gemma
     model.model.language_model.load_state_dict(text.model.state_dict())
     model.lm_head.load_state_dict(text.lm_head.state_dict())
     model.save_pretrained(out_dir)
-    transformers.AutoTokenizer.from_pretrained(text_dir).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
     return out_dir
 
 
