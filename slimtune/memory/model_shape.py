@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from slimtune.models.experts import expert_count
+from slimtune.models.experts import HELD, expert_count
 from slimtune.models.families import family_of, text_fields
 from slimtune.models.family_configs import full_attention_head_dim, gemma4_sliding_layers, linear_attention_layers
 
-_MLP = ("gate_proj", "up_proj", "down_proj")
+_MLP = tuple(p for held in HELD.values() for p in held)  # an MoE's per-expert projections
 
 
 @dataclass(frozen=True)
