@@ -62,7 +62,7 @@ def _save_adapter(base: Path, out: Path, seed: int, **lora) -> Path:
     for name, p in peft_model.named_parameters():
         if "lora_B" in name:
             p.data = torch.randn(p.shape, generator=g) * 0.05
-    with_expert_lora(model, family, targets, r=8, alpha=16, random_b=g, **lora)
+    with_expert_lora(model, family, targets, r=8, alpha=16, random_b=g)  # dense families: nothing
     peft_model.save_pretrained(out)
     add_expert_lora(out, peft_model)  # an MoE's expert LoRA, per expert, as training saves it
     return out
