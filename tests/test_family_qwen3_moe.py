@@ -115,3 +115,17 @@ def test_flow_trains_the_experts_merges_and_exports(prefect_harness, tmp_path):
     # the random-init builtin routes near ties: q8_0's rounding flips an expert choice now and then (measured 0.886
     # of 35 positions); tests/test_gguf_qwen3_moe.py holds a pretrained model's q8_0 to 98%
     assert q8["token_ids_equal"] and q8["argmax_agreement"] >= 0.8, q8
+
+
+def test_init_says_the_mlp_names_are_every_experts(tmp_path):
+    """`slimtune init` on Qwen3-30B-A3B's config: the proposed targets' comment says what they train there."""
+    from slimtune.cli.scaffold import scaffold_spec
+    from slimtune.models.tiny import build_tokenizer
+
+    model = tmp_path / "qwen3-30b-a3b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    build_tokenizer().save_pretrained(model)
+    text = scaffold_spec(str(model), str(DATA_FILE), gpu_memory=80 * _GIB)
+    [targets] = [line for line in text.splitlines() if line.strip().startswith("target_modules:")]
+    assert "gate_proj, up_proj, down_proj]" in targets and "each of the 128 experts in every layer" in targets

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from slimtune.data import DataError, FieldError, detect_format, iter_records, render
+from slimtune.models.experts import expert_count
 from slimtune.models.families import FAMILIES, check_architecture
 from slimtune.models.multimodal import layout_of, trained_config
 from slimtune.models.source import read_config
@@ -219,7 +220,7 @@ def scaffold_spec(model: str, data: str, *, gpu_memory: int | None = None, name:
         "lora:",
         line("r", _LORA_R, f"rank {_LORA_R} on all projections: the QLoRA paper's setting"),
         line("alpha", _LORA_R, "update scaled by alpha / r = 1"),
-        line("target_modules", DEFAULT_TARGETS, _targets_note(family)),
+        line("target_modules", DEFAULT_TARGETS, _targets_note(cfg)),
         line(
             "gradient_checkpointing",
             checkpointing,
@@ -258,9 +259,15 @@ def scaffold_spec(model: str, data: str, *, gpu_memory: int | None = None, name:
     return text
 
 
-def _targets_note(model_type: str) -> str:
-    """What the default targets train in this family (a hybrid model's linear-attention layers get their own)."""
-    row = FAMILIES.get(model_type)
+def _targets_note(cfg: dict) -> str:
+    """What the default targets train in this family: a hybrid model's linear-attention layers get their own, a
+    mixture of experts' MLP names are every expert's."""
+    row = FAMILIES.get(cfg["model_type"])
+    if row is not None and row.experts:
+        return (
+            f"attention, and gate/up/down of each of the {expert_count(cfg)} experts in every layer "
+            "(held in NF4 by slimtune; the router stays frozen)"
+        )
     if row is None or not row.linear_attention_targets:
         return "attention and MLP projections of every layer"
     deltanet = ", ".join(row.linear_attention_targets)
