@@ -129,3 +129,20 @@ def test_init_says_the_mlp_names_are_every_experts(tmp_path):
     text = scaffold_spec(str(model), str(DATA_FILE), gpu_memory=80 * _GIB)
     [targets] = [line for line in text.splitlines() if line.strip().startswith("target_modules:")]
     assert "gate_proj, up_proj, down_proj]" in targets and "each of the 128 experts in every layer" in targets
+
+
+def test_a_config_with_another_expert_count_is_named_before_loading(tmp_path):
+    """The model-files check compares the checkpoint's per-expert tensors with the fused parameters the config
+    builds: a config.json of another expert count is refused naming the tensor, both shapes and the field."""
+    from slimtune.checks.model_files import weight_file_problems
+    from slimtune.checks.problems import meta_model
+    from slimtune.models.tiny import save_tiny
+    from slimtune.spec.schema import ModelSpec
+
+    model = save_tiny(tmp_path / "moe", "qwen3_moe")
+    assert weight_file_problems(ModelSpec(name_or_path=str(model)), model, meta_model(model)) == []
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_local_experts": 16}))
+    [problem] = weight_file_problems(ModelSpec(name_or_path=str(model)), model, meta_model(model))
+    assert "model.layers.0.mlp.experts.gate_up_proj is [8, 512, 256] in model.safetensors" in problem
+    assert "but [16, 512, 256] from config.json (config.json num_local_experts: 16, the weights say 8?)" in problem

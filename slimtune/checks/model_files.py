@@ -28,7 +28,15 @@ _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 _AGAIN = "download or copy the model again"
 # config.json fields that size a tensor dimension directly, named in the hint for a mismatched dimension
-_SIZE_FIELDS = ("hidden_size", "intermediate_size", "vocab_size", "head_dim", "moe_intermediate_size")
+_SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "head_dim",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_local_experts",
+)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

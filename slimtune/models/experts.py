@@ -65,9 +65,8 @@ def fused_shapes(stored: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, tup
         shapes.setdefault((key.block, key.tail.removesuffix(".weight")), tuple(shape))
     fused = {}
     for block, count in experts.items():
-        gate, up, down = (shapes.get((block, p)) for p in ("gate_proj", "up_proj", "down_proj"))
-        if gate and up:
-            fused[f"{block}.gate_up_proj"] = (count, gate[0] + up[0], *gate[1:])
-        if down:
-            fused[f"{block}.down_proj"] = (count, *down)
+        for projection, held in HELD.items():
+            parts = [shapes.get((block, p)) for p in held]
+            if all(parts):  # the held matrices stacked by rows: gate's, then up's
+                fused[f"{block}.{projection}_proj"] = (count, sum(p[0] for p in parts), *parts[0][1:])
     return fused
