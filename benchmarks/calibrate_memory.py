@@ -8,7 +8,9 @@ Two modes, both through the device tool (see benchmarks/README.md, "Memory calib
   peak, the reserved peak, device-wide used memory (cudaMemGetInfo / NVML, CUDA context and library
   workspaces included), host RSS and anonymous RSS.
 - e2e (`--e2e 6:1:unsloth,16:4:unsloth`): `slimtune run SPEC` as a user runs it, preflight on, under
-  `guard.gpu_memory_fraction = BUDGET GiB / device total`; the per-stage guard records come back.
+  `guard.gpu_memory_fraction = BUDGET GiB / device total`; the per-stage guard records come back. Each item is
+  BUDGET_GIB:MICRO_BATCH:CHECKPOINTING, then optionally `merge` and `stored=N` (`train.stored_layers`; auto
+  when not given).
 
 The models are random bf16 weights saved as safetensors (5 GB shards, as on the Hub), built in their own
 process so the measuring processes start with an empty GPU. Results are appended after every cell, so a
@@ -203,16 +205,24 @@ def grid_cells(key: str, kernels: str) -> list[dict]:
 
 
 def _e2e(
-    root: Path, budget_gib: float, mb: int | str, ckpt: str, merge: bool, out: Path, timeout: float, steps: int = 3
+    root: Path,
+    budget_gib: float,
+    mb: int | str,
+    ckpt: str,
+    merge: bool,
+    out: Path,
+    timeout: float,
+    steps: int = 3,
+    stored: int | str = "auto",
 ) -> dict:
     """`slimtune run` on the 8B shape under a budget, preflight on; the guard records per stage."""
     import torch
 
     total = torch.cuda.mem_get_info()[1] if torch.cuda.is_initialized() else _device_total()
-    name = f"e2e-8b-{budget_gib:g}gib-mb{mb}" + ("-merge" if merge else "")
+    name = f"e2e-8b-{budget_gib:g}gib-mb{mb}" + ("-merge" if merge else "") + (f"-stored{stored}" * (stored != "auto"))
     raw = _base_spec(root / "model-8b", root / "calib.jsonl", root / "runs", name)
     raw["lora"]["gradient_checkpointing"] = ckpt
-    raw["train"].update(micro_batch_size=mb, max_steps=steps)
+    raw["train"].update(micro_batch_size=mb, max_steps=steps, stored_layers=stored)
     raw["merge"] = {"enabled": merge}
     raw["export"] = {"gguf": ["f16"] if merge else [], "verify": False}
     raw["guard"] = {"gpu_memory_fraction": round(budget_gib * GiB / total, 4), "preflight": True}
@@ -239,11 +249,15 @@ def _e2e(
         "seconds": round(time.time() - t0, 1),
         # nvidia-smi every 0.5 s while the run lived, less the idle card: what the card had to hold
         "device_peak_gib": round(device_peak / GiB, 3) if device_peak is not None else None,
-        "train": {k: train.get(k) for k in ("micro_batch_size", "gradient_accumulation_steps", "steps", "batching")},
+        "train": {
+            k: train.get(k)
+            for k in ("micro_batch_size", "gradient_accumulation_steps", "steps", "batching", "stored_layers")
+        },
         "stages": stages,
         # each logged step's tokens/s, and whether the layers' backward ran as CUDA graphs
         "tok_s": [int(m) for m in re.findall(r"tok/s (\d+)", proc.stdout + proc.stderr)],
         "cuda_graphs": next((ln.split(" - ")[-1] for ln in log_lines if "CUDA graphs" in ln), None),
+        "stored_layers": next((ln.split(" - ")[-1] for ln in log_lines if "stored layers auto" in ln), None),
         "last_line": (proc.stderr.strip().splitlines() or [""])[-1] if proc.returncode else proc.stdout.strip()[-200:],
     }
 
@@ -292,7 +306,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="8b")
     p.add_argument("--kernels", default="auto")
-    p.add_argument("--e2e", default="", help="BUDGET_GIB:MICRO_BATCH:CHECKPOINTING[:merge],... `slimtune run`s")
+    p.add_argument(
+        "--e2e", default="", help="BUDGET_GIB:MICRO_BATCH:CHECKPOINTING[:merge][:stored=N],... `slimtune run`s"
+    )
     p.add_argument("--e2e-steps", type=int, default=3, help="optimizer steps of each e2e run")
     p.add_argument("--root", default="/tmp/calib")
     p.add_argument("--out", required=True)
@@ -336,14 +352,17 @@ def main() -> int:
                 _append(results, {"model": key, "kernels": kernels, "outcome": "worker stopped at the time budget"})
     e2e = []
     for item in filter(None, args.e2e.split(",")):
-        budget, mb, ckpt, *merge = item.split(":")
+        budget, mb, ckpt, *flags = item.split(":")
+        stored = next((f.removeprefix("stored=") for f in flags if f.startswith("stored=")), "auto")
         left = deadline - time.time()
         if left < 60:
             e2e.append({"run": item, "outcome": "not run (time budget)"})
             continue
         try:
             size = mb if mb == "auto" else int(mb)
-            e2e.append(_e2e(root, float(budget), size, ckpt, merge == ["merge"], out, left - 15, args.e2e_steps))
+            stored_n = stored if stored == "auto" else int(stored)
+            merge = "merge" in flags
+            e2e.append(_e2e(root, float(budget), size, ckpt, merge, out, left - 15, args.e2e_steps, stored_n))
         except subprocess.TimeoutExpired as exc:
             e2e.append({"run": item, "outcome": "stopped at the time budget"})
             log = [x.decode() if isinstance(x, bytes) else x or "" for x in (exc.stdout, exc.stderr)]

@@ -15,7 +15,7 @@ from slimtune.models.families import FAMILIES
 from slimtune.models.family_configs import linear_attention_layers
 from slimtune.models.lora_targets import lora_target_modules
 from slimtune.models.tiny import build_model
-from slimtune.train.step.checkpointing import _enable, enable_checkpointing, parameters_from_lists
+from slimtune.train.step.checkpointing import _enable, enable_checkpointing, parameters_from_lists, stored_layers
 
 _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _VOCAB = 128
@@ -193,6 +193,54 @@ def test_listed_parameters_give_the_same_gradients_without_walking_the_layers() 
         assert walks
     with parameters_from_lists(model) as listed:  # nothing checkpointed: nothing listed
         assert listed == 0
+
+
+@pytest.mark.parametrize("mode", [True, "unsloth"])
+def test_stored_layers_skip_their_recompute_and_give_the_same_gradients(mode) -> None:
+    """Inside `stored_layers(model, n)` the last n checkpointed layers run once per step and autograd keeps their
+    activations; the others run again in the backward; the gradients equal those without checkpointing."""
+    model = _lora_model("llama")
+    layers = model.get_base_model().model.layers
+    ids = _batch()
+    ref = _grads_with(model, False, ids)
+    runs: list[int] = []
+    hooks = [layer.mlp.register_forward_pre_hook(lambda *_, i=i: runs.append(i)) for i, layer in enumerate(layers)]
+    saved: list[int] = []
+
+    def step() -> dict[str, torch.Tensor]:
+        """The gradients of one step; `saved`: what the forward kept for the backward (bytes per tensor)."""
+        runs.clear()
+        saved.clear()
+        pack = lambda t: saved.append(t.numel() * t.element_size()) or t  # noqa: E731
+        torch.manual_seed(1)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    with enable_checkpointing(model, mode):
+        assert _max_rel_diff(step(), ref) <= _REL_TOL
+        assert [runs.count(i) for i in range(len(layers))] == [2] * len(layers)
+        recomputed_saved = sum(saved)
+        with stored_layers(model, 1) as n:
+            assert n == 1
+            assert _max_rel_diff(step(), ref) <= _REL_TOL
+            assert [runs.count(i) for i in range(len(layers))] == [2] * (len(layers) - 1) + [1]
+            assert sum(saved) > 1.5 * recomputed_saved  # the stored layer's activations, kept until its backward
+        with stored_layers(model, 99) as n:  # more than there are: every layer
+            assert n == len(layers)
+            assert _max_rel_diff(step(), ref) <= _REL_TOL
+            assert runs == list(range(len(layers)))
+        with pytest.raises(RuntimeError, match="inside"), stored_layers(model, 2):
+            raise RuntimeError("inside")
+        step()  # the block is left, also after an error: every layer is recomputed again
+        assert [runs.count(i) for i in range(len(layers))] == [2] * len(layers)
+    for hook in hooks:
+        hook.remove()
+    with stored_layers(model, 2) as n:  # nothing checkpointed: nothing to store
+        assert n == 0
 
 
 def test_unsloth_trains() -> None:

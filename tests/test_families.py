@@ -179,3 +179,23 @@ def test_validate_maps_lora_targets_to_fused_projections(tmp_path, targets, prob
         assert problems == []
     else:
         assert len(problems) == 1 and problem in problems[0], problems
+
+
+@pytest.mark.parametrize("stored", [4, 5])
+def test_validate_refuses_more_stored_layers_than_the_model_has(tmp_path, stored):
+    from slimtune.checks.problems import spec_problems
+    from slimtune.spec.schema import parse_spec
+
+    model_dir = save_tiny(tmp_path / "llama", "llama", num_hidden_layers=4)
+    data = tmp_path / "d.jsonl"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    data.write_text(json.dumps({"messages": chat}) + "\n")
+    raw = {"name": "p", "output_dir": str(tmp_path / "runs"), "model": {"name_or_path": str(model_dir)}}
+    raw |= {"data": {"path": str(data)}, "train": {"stored_layers": stored}}
+    problems = spec_problems(parse_spec(raw))
+    if stored == 4:
+        assert problems == []
+    else:
+        assert problems == [
+            f"train.stored_layers is 5 but {model_dir / 'config.json'} has 4 decoder layers; use at most 4 (or auto)"
+        ]

@@ -204,3 +204,38 @@ def test_merge_and_export_estimates():
     assert 4.7e9 < kquant.breakdown["disk: q4_k_m.gguf"] < 5.0e9  # llama.cpp's Q4_K_M 8B file: 4.9 GB
     with pytest.raises(ValueError, match="export.gguf"):
         estimate_export(LLAMA_31_8B, out_types=["q9_x"])
+
+
+@pytest.mark.parametrize("mode", [True, "unsloth"])
+def test_stored_layers_count_their_activations_and_the_peak_once(mode):
+    """Stored layers keep what a layer keeps without checkpointing; the step peaks at the larger of (stored + loss)
+    and one recomputed layer, since the stored layers' backward frees theirs before the first recompute."""
+    kernels = ("lora_nf4", "rms_norm", "swiglu", "rope", "fused_linear_ce")
+
+    def est(checkpointing, stored=0, mb=4):
+        return estimate_train(
+            LLAMA_31_8B,
+            micro_batch=mb,
+            seq_len=2048,
+            lora_r=16,
+            target_modules="all-linear",
+            checkpointing=checkpointing,
+            kernels=kernels,
+            stored_layers=stored,
+        )
+
+    none, every = est(False), est(mode, 32)
+    stored = every.breakdown["gpu: activations of the stored layers"]
+    assert stored == none.breakdown["gpu: activations (no checkpointing)"]
+    assert not any("recomputed" in k or "layer inputs" in k for k in every.breakdown)  # nothing is recomputed
+    # one stored layer at 4 x 2048: a recomputed layer outweighs it and the loss, so the peak does not move
+    one, zero = est(mode, 1), est(mode, 0)
+    per_layer = stored // 32
+    assert zero.breakdown["gpu: one recomputed layer (peak phase)"] > per_layer
+    assert one.gpu_bytes - zero.gpu_bytes < 0.01 * per_layer
+    # from 2 stored layers on the loss phase peaks: each further layer adds its activations (less, under standard
+    # checkpointing, the input it no longer keeps)
+    kept_input = 4 * 2048 * 4096 * 2 if mode is True else 0
+    assert est(mode, 11).gpu_bytes - est(mode, 10).gpu_bytes == per_layer - kept_input
+    with pytest.raises(ValueError, match="train.stored_layers is 33: the model has 32 decoder layers"):
+        est(mode, 33)

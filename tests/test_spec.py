@@ -29,6 +29,8 @@ def _problems(raw: dict) -> list[str]:
         ({"merge": {"source": "magic"}}, "merge.source", "'dequantized'"),
         ({"train": {"micro_batch_size": -1}}, "train.micro_batch_size", "greater than 0"),
         ({"train": {"learning_rate": 0}}, "train.learning_rate", "greater than 0"),
+        ({"train": {"stored_layers": -1}}, "train", "train.stored_layers is -1: it must be 0 or more"),
+        ({"train": {"stored_layers": 4, "num_gpus": 2}}, "train", "on one GPU only (every rank recomputes"),
         ({"train": {"optimizer": "sgd"}}, "train.optimizer", "adamw_torch"),
         ({"train": {"warmup": 10}}, "train.warmup", "unknown key"),
         ({"train": {"kernels": ["rms_norm", "flash"]}}, "train.kernels", "unknown kernel(s) ['flash']"),

@@ -27,19 +27,23 @@ def _listed(model) -> list[int | None]:
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_one_process_gets_lists_and_everything_goes_at_the_end(model, cuda_graphs):
     with enable_checkpointing(model, "unsloth"):
-        with step_context(model, StepSettings(single_process=True, cuda_graphs=cuda_graphs)) as step:
+        settings = StepSettings(single_process=True, cuda_graphs=cuda_graphs, stored_layers=2)
+        with step_context(model, settings) as step:
             assert step.walks and "parameters" in model.__dict__
             assert step.listed == _LAYERS
             assert _listed(model) == [4] * _LAYERS  # q and v, A and B, per layer
+            assert step.stored == 2 and [f.stored for f, _ in _patched(model)] == [False, True, True]  # the last
             assert step.graphs is None  # asked for or not: no CUDA device here (`graphs_refusal`)
         assert _listed(model) == [None] * _LAYERS
+        assert not any(f.stored for f, _ in _patched(model))
         assert not {"train", "parameters", "zero_grad"} & set(model.__dict__)
 
 
 def test_several_processes_run_the_step_as_the_library_does(model):
     with enable_checkpointing(model, "unsloth"):
-        with step_context(model, StepSettings(single_process=False, cuda_graphs=True)) as step:
-            assert (step.walks, step.listed, step.graphs) == (False, 0, None)
+        with step_context(model, StepSettings(single_process=False, cuda_graphs=True, stored_layers=2)) as step:
+            assert (step.walks, step.listed, step.stored, step.graphs) == (False, 0, 0, None)
+            assert not any(f.stored for f, _ in _patched(model))
             assert "parameters" not in model.__dict__ and _listed(model) == [None] * _LAYERS
 
 

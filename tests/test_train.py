@@ -21,6 +21,7 @@ from slimtune.models.tiny import DATA_FILE, save_tiny
 from slimtune.spec.schema import DataSpec, TrainSpec
 from slimtune.train import PrefectProgressCallback, latest_checkpoint, train_adapter
 from slimtune.train.checkpoints import COMPLETE
+from slimtune.train.step import enable_checkpointing
 
 CRASH_AT, SAVE_EVERY = 5, 3  # the crash comes after checkpoint-3 and before checkpoint-6
 
@@ -82,7 +83,19 @@ def _model(base_dir: Path, **load_kw):
 
 
 def _train(
-    base_dir, tokenizer, examples, data, run_dir, *, mb=2, accum=1, callbacks=None, model=None, trackers=None, **spec
+    base_dir,
+    tokenizer,
+    examples,
+    data,
+    run_dir,
+    *,
+    mb=2,
+    accum=1,
+    callbacks=None,
+    model=None,
+    trackers=None,
+    stored_layers=0,
+    **spec,
 ):
     train = TrainSpec(
         **{
@@ -105,6 +118,7 @@ def _train(
         micro_batch_size=mb,
         gradient_accumulation_steps=accum,
         callbacks=callbacks,
+        stored_layers=stored_layers,
         **(trackers or {}),
     )
 
@@ -164,6 +178,22 @@ def test_resume_after_crash_gives_the_same_losses(full_run, crashed_run, base_di
     assert resumed.eval_loss_before == full.eval_loss_before
     assert resumed.eval_loss_after == full.eval_loss_after
     assert resumed.tokens_seen == full.tokens_seen
+
+
+def test_stored_layers_train_as_without_checkpointing_and_are_reported(
+    full_run, base_dir, tokenizer, examples, data, tmp_path
+):
+    """Offloaded checkpointing with the last of the 2 layers stored trains the losses of the run without
+    checkpointing (full_run), and the report says how many layers kept their activations."""
+    _, full = full_run
+    model = _model(base_dir)
+    with enable_checkpointing(model, "unsloth"):
+        report = _train(base_dir, tokenizer, examples, data, tmp_path, model=model, stored_layers=1)
+    assert report.stored_layers == 1
+    assert json.loads((tmp_path / "train_report.json").read_text())["stored_layers"] == 1
+    assert [s for s, _ in _losses(report, 0)] == [s for s, _ in _losses(full, 0)]
+    assert [v for _, v in _losses(report, 0)] == pytest.approx([v for _, v in _losses(full, 0)], rel=1e-5)
+    assert full.stored_layers == 0
 
 
 @pytest.fixture(scope="module")

@@ -114,7 +114,7 @@ def test_auto_picks_the_largest_divisor_whose_estimate_fits(tmp_path):
 
 
 def test_graphs_are_on_where_their_estimate_fits_and_off_on_a_retry(tmp_path):
-    spec = _spec(tmp_path, micro_batch_size=4, gradient_accumulation_steps=1)
+    spec = _spec(tmp_path, micro_batch_size=4, gradient_accumulation_steps=1, stored_layers=0)
     first = resolve_train(spec, LLAMA_8B, "cuda")
     assert first.cuda_graphs and first.graphs_off is None and first.downshift_notes == ()
     assert first.estimate.gpu_bytes > first.base_estimate.gpu_bytes  # the graphs' pool is an extra on the GPU
@@ -127,6 +127,37 @@ def test_graphs_are_on_where_their_estimate_fits_and_off_on_a_retry(tmp_path):
     assert (retry.micro_batch, retry.grad_accum, retry.checkpointing) == (2, 2, "unsloth")
     assert not retry.cuda_graphs and retry.graphs_off == "a retry after running out of memory"
     assert len(retry.downshift_notes) == 1 and retry.downshift_notes[0].startswith("attempt 2: ")
+
+
+def test_stored_layers_take_what_the_budget_has_left_after_the_graphs(tmp_path):
+    """auto: the largest count of stored layers whose estimate fits, after the micro-batch and the graphs; all of
+    them (and no graphs: nothing is recomputed) where they fit; 0 on a retry, the CPU and several GPUs."""
+    spec = _spec(tmp_path, micro_batch_size=4, gradient_accumulation_steps=1)
+    at = [train_estimate(spec, LLAMA_8B, 4, "unsloth", "cuda", True, n).gpu_bytes for n in range(33)]
+    # a stored layer costs nothing while the recompute it frees first is the step's peak, then its activations
+    assert all(a <= b for a, b in zip(at, at[1:-1], strict=False)) and at[12] < at[13]
+    limit = (at[12] + at[13]) // 2
+    settings = resolve_train(spec, LLAMA_8B, "cuda", fits=lambda est: est.gpu_bytes <= limit)
+    assert settings.cuda_graphs and settings.stored_layers == 12
+    assert settings.estimate.gpu_bytes == at[12] <= limit
+    assert settings.base_estimate == train_estimate(spec, LLAMA_8B, 4, "unsloth", "cuda")  # what fitting starts from
+    assert settings.stored_note == "auto: the last 12 of 32 layers keep their activations, the others are recomputed"
+
+    everything = resolve_train(spec, LLAMA_8B, "cuda")  # no budget to hold it to
+    assert everything.stored_layers == 32 and not everything.cuda_graphs
+    assert everything.estimate == train_estimate(spec, LLAMA_8B, 4, "unsloth", "cuda", False, 32)
+
+    # no room for the graphs: the layers get what there is, without them
+    bare = train_estimate(spec, LLAMA_8B, 4, "unsloth", "cuda", False, 2).gpu_bytes
+    tight = resolve_train(spec, LLAMA_8B, "cuda", fits=lambda est: est.gpu_bytes <= min(bare, at[0] - 1))
+    assert not tight.cuda_graphs and tight.stored_layers == 2
+
+    assert resolve_train(spec, LLAMA_8B, "cuda", attempt=2).stored_layers == 0
+    assert resolve_train(spec, LLAMA_8B, "cpu").stored_layers == 0
+    fixed = resolve_train(_spec(tmp_path, micro_batch_size=4, stored_layers=5), LLAMA_8B, "cpu")
+    assert fixed.stored_layers == 5 and fixed.stored_note is None
+    off = resolve_train(_spec(tmp_path, {"gradient_checkpointing": False}, stored_layers=5), LLAMA_8B, "cuda")
+    assert off.stored_layers == 0  # without checkpointing every layer keeps its activations already
 
 
 def test_on_the_cpu_graphs_and_varlen_add_nothing_and_no_kernel_is_expected(tmp_path):

@@ -56,7 +56,26 @@ def _built_model_problems(spec: PipelineSpec) -> list[str]:
         reason = clip(" ".join(str(e).split()), 300) or type(e).__name__
         return [f"model.name_or_path: {model_dir / 'config.json'} does not build a model ({reason}); fix or replace it"]
     problems = _target_problems(spec, model_dir, model) + weight_file_problems(spec.model, model_dir, model)
+    problems += _stored_layers_problems(spec, model_dir)
     return problems + _experts_problems(spec, model) + tokenizer_and_data_problems(spec)
+
+
+def _stored_layers_problems(spec: PipelineSpec, model_dir: Path) -> list[str]:
+    """A `train.stored_layers` count the model's decoder layers cannot meet."""
+    from slimtune.memory.model_shape import model_shape
+    from slimtune.models.multimodal import trained_config
+    from slimtune.models.source import read_config
+
+    stored = spec.train.stored_layers
+    if stored == "auto":
+        return []
+    layers = model_shape(trained_config(read_config(model_dir))).layers
+    if stored <= layers:
+        return []
+    return [
+        f"train.stored_layers is {stored} but {model_dir / 'config.json'} has {layers} decoder layers; "
+        f"use at most {layers} (or auto)"
+    ]
 
 
 def _experts_problems(spec: PipelineSpec, model: torch.nn.Module) -> list[str]:

@@ -140,6 +140,8 @@ def packed_sft_task(
         log.warning("packed_sft downshift: %s", note)
     if train.graphs_off:
         log.warning("packed_sft: CUDA graphs of the layers' backward off: %s", train.graphs_off)
+    if train.stored_note:
+        log.warning("packed_sft stored layers %s", train.stored_note)
     batch = {
         "micro_batch_size": train.micro_batch,
         "gradient_accumulation_steps": train.grad_accum,
@@ -148,9 +150,16 @@ def packed_sft_task(
 
     def here() -> dict:
         report = packed_sft(
-            spec, handle, checkpointing_handle, examples_handle, **batch, plan=plan, cuda_graphs=train.cuda_graphs
+            spec,
+            handle,
+            checkpointing_handle,
+            examples_handle,
+            **batch,
+            plan=plan,
+            cuda_graphs=train.cuda_graphs,
+            stored_layers=train.stored_layers,
         )
-        return {**asdict(report), "micro_batch_auto": train.auto_note}
+        return {**asdict(report), "micro_batch_auto": train.auto_note, "stored_layers_auto": train.stored_note}
 
     with _guard("packed_sft", spec, plan, train.estimate, train.downshift_notes):
         return ranks.run_stage(spec, "packed_sft", here, **batch)

@@ -62,7 +62,7 @@ _FRAGMENTATION_FLOOR = int(0.2 * _GIB)
 _HOST_TABLE_FRAGMENTATION = 0.25
 # Offloaded checkpointing: layer inputs on the GPU at once (the one computed, copies to and from host).
 _OFFLOAD_IN_FLIGHT = 3
-_STORED_TERMS = ("activations (no checkpointing)", "checkpointed layer inputs")
+_STORED_TERMS = ("activations (no checkpointing)", "activations of the stored layers", "checkpointed layer inputs")
 _WEIGHT_TERMS = ("nf4 linears", "embeddings and lm_head", "norms and biases")
 _STATE_TERMS = ("lora weights and grads (fp32)", "optimizer state", _CONTEXT_TERM)
 # The graphs' private pool holds what a layer's recompute and backward allocate inside the capture: measured. At
@@ -160,11 +160,11 @@ def estimate_load_4bit(cfg: dict[str, Any], compute_dtype_bytes: int, *, double_
     gpu["load transient (one 16-bit linear)"] = (
         max(a * b for a, b in shape.projections().values()) * compute_dtype_bytes
     )
-    if shape.experts:  # bitsandbytes leaves the 3-D expert tensors in 16 bits; load_4bit quantizes them after
-        gpu["load transient (the experts in 16 bits until quantized)"] = (
-            shape.layers
-            * sum(a * b * shape.copies(n) for n, (a, b) in shape.projections().items() if shape.copies(n) > 1)
-        ) * compute_dtype_bytes
+    if shape.experts:  # bitsandbytes leaves 3-D experts alone: load_4bit reads and quantizes them layer by layer
+        gpu["load transient (one layer's experts in 16 bits until quantized)"] = (
+            sum(a * b * shape.copies(n) for n, (a, b) in shape.projections().items() if shape.copies(n) > 1)
+            * compute_dtype_bytes
+        )
     gpu[_CONTEXT_TERM] = _LOAD_CONTEXT_BYTES
     host = {"process (anonymous memory; shards are mapped)": _LOAD_HOST_BYTES}
     fields = {
@@ -245,6 +245,7 @@ def estimate_train(
     shard_ranks: int = 1,
     varlen_attention: bool = False,
     cuda_graphs: bool = False,
+    stored_layers: int = 0,
 ) -> Estimate:
     """Memory for one QLoRA training step at `micro_batch` x `seq_len` tokens, device-wide (per rank).
 
@@ -268,6 +269,10 @@ def estimate_train(
     LoRA gradients) and its private pool, which holds most of one recomputed layer apart from the allocator's other
     blocks. Calibrated on an H100 (`benchmarks/results/memory/h100-2026-11-24{c,e}-graphs.json`,
     tests/test_memory_calibration.py).
+
+    `stored_layers`: under checkpointing, the last this many decoder layers keep their activations instead of
+    recomputing them (`train.stored_layers`). Their backward runs first and frees those activations before any
+    layer is recomputed, so the step peaks at the larger of (stored activations + loss) and one recomputed layer.
 
     `shard_ranks` > 1 is FSDP-QLoRA: each rank keeps 1/shard_ranks of the weights, LoRA weights, grads
     and optimizer state, and gathers whole layers while it computes them (the one it computes and the
@@ -315,19 +320,24 @@ def estimate_train(
     layer_input = shape.hidden * compute_dtype_bytes
     host = {"process and CUDA libraries": _PROCESS_HOST_BYTES}
     mode = "standard" if checkpointing is True else (checkpointing or "none")
-    recompute = 0
+    recompute = stored = 0
+    stored_per_layer = int(tokens * (per_layer * (_FUSED_STORED if fused else 1.0) + varlen))
     if mode == "none":
-        gpu["activations (no checkpointing)"] = int(
-            tokens * shape.layers * (per_layer * (_FUSED_STORED if fused else 1.0) + varlen)
-        )
+        gpu["activations (no checkpointing)"] = stored_per_layer * shape.layers
     elif mode in ("standard", "unsloth", "offload"):
-        recompute = int(tokens * (per_layer * (_FUSED_RECOMPUTE if fused else 1.0) + varlen))
-        if mode == "standard":
-            gpu["checkpointed layer inputs"] = tokens * shape.layers * layer_input
-        else:
+        if not 0 <= stored_layers <= shape.layers:
+            raise ValueError(f"train.stored_layers is {stored_layers}: the model has {shape.layers} decoder layers")
+        recomputed = shape.layers - stored_layers
+        if stored_layers:
+            stored = gpu["activations of the stored layers"] = stored_per_layer * stored_layers
+        if recomputed:
+            recompute = int(tokens * (per_layer * (_FUSED_RECOMPUTE if fused else 1.0) + varlen))
+        if mode == "standard" and recomputed:
+            gpu["checkpointed layer inputs"] = tokens * recomputed * layer_input
+        elif recomputed:
             # Layer inputs stay on the GPU while copies to and from host overlap with compute.
             gpu["layer inputs in flight"] = tokens * _OFFLOAD_IN_FLIGHT * layer_input
-            host["offloaded layer inputs (pinned)"] = tokens * shape.layers * layer_input
+            host["offloaded layer inputs (pinned)"] = tokens * recomputed * layer_input
             if cuda_graphs and on_gpu:
                 layer_lora = -(-lora // shape.layers)
                 gpu[_GRAPH_TERMS[0]] = 3 * tokens * layer_input + layer_lora * 4
@@ -347,13 +357,19 @@ def estimate_train(
         # The bf16 lm_head output, its float32 upcast in the loss, the saved log-softmax and its
         # float32 gradient (2 + 4 + 4 + 4 bytes, less the upcast freed before the gradient = 12).
         loss = tokens * shape.vocab * 12
-    if loss >= recompute:
+    freed = 0  # stored activations the recompute reuses: counted once, above
+    if loss + stored >= recompute:
         gpu["logits and loss (peak phase)"] = loss
+    elif stored:  # the stored layers' activations are freed by the time the first layer is recomputed
+        freed = stored
+        gpu["one recomputed layer, less the freed stored activations (peak phase)"] = recompute - stored
     else:
         gpu["one recomputed layer (peak phase)"] = recompute
     # Stored activations are allocated once per step; what is freed and re-allocated within the
-    # step (layer inputs in flight, the peak phase) is what fragments the allocator's blocks.
-    churn = sum(v for k, v in gpu.items() if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS + _GRAPH_TERMS)
+    # step (layer inputs in flight, the peak phase: a whole recomputed layer) fragments the allocator's blocks.
+    churn = freed + sum(
+        v for k, v in gpu.items() if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS + _GRAPH_TERMS
+    )
     offloaded = mode in ("unsloth", "offload")
     share = _FRAGMENTATION_EAGER if not fused else _FRAGMENTATION_OFFLOADED if offloaded else _FRAGMENTATION
     gpu["allocator fragmentation"] = (
@@ -365,8 +381,8 @@ def estimate_train(
     # A resumable checkpoint is written beside the previous one before that one is removed.
     disk = {"adapter and optimizer checkpoints (2 kept while writing)": 2 * checkpoint}
     fields = {
-        "gpu": "train.micro_batch_size (with train.gradient_accumulation_steps), data.max_seq_length "
-        "or lora.gradient_checkpointing",
+        "gpu": "train.micro_batch_size (with train.gradient_accumulation_steps), data.max_seq_length, "
+        "train.stored_layers or lora.gradient_checkpointing",
         "host": "lora.gradient_checkpointing (offloading keeps layer inputs in host memory)",
         "disk": "output_dir (a disk with more space)",
     }

@@ -138,12 +138,14 @@ def train_estimate(
     checkpointing: bool | str,
     device_type: str,
     cuda_graphs: bool = False,
+    stored_layers: int = 0,
 ) -> Estimate:
     """The packed_sft estimate for `spec` at `micro_batch`: with the kernels the run will apply and the
     optimizer it uses (`resolve_train`'s estimate, and the planner's searches). `device_type`
     may be one this machine lacks (the planner's "cuda": 16-bit compute unless the spec says float32).
-    `cuda_graphs` adds what graphs of the layers' backward hold; they are an extra that packed_sft uses only
-    where it fits, so what fits is decided without them."""
+    `cuda_graphs` adds what graphs of the layers' backward hold, `stored_layers` the activations of the layers
+    that are not recomputed; both are extras that packed_sft uses only where they fit, so what fits is decided
+    without them."""
     # Imported here: the planner reads configs without loading torch's model code until it estimates.
     from slimtune.plan.train_settings import rank_checkpointing, run_kernels
     from slimtune.train.step.attention import varlen_expected
@@ -164,6 +166,7 @@ def train_estimate(
         shard_ranks=spec.train.num_gpus if spec.train.sharded else 1,  # per rank
         varlen_attention=varlen_expected(cfg, device_type, spec.data.packing),
         cuda_graphs=cuda_graphs,
+        stored_layers=stored_layers,
     )
 
 
@@ -253,6 +256,7 @@ def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan]
         "micro_batch": micro_batch,
         "largest_micro_batch": best_mb,
         "largest_seq_len": _largest_seq(spec, cfg, budget, micro_batch, device_type) if budget.gpu_total else None,
+        "extras": train,  # CUDA graphs and stored layers: what packed_sft adds where the budget holds them
     }
     return rows, limits
 
@@ -381,6 +385,14 @@ def _verdict(ok: bool | None) -> str:
     return "no budget" if ok is None else ("fits" if ok else "DOES NOT FIT")
 
 
+def _render_extras(train) -> str:
+    """What packed_sft adds for speed within the budget (`TrainSettings`), and its GPU estimate with them."""
+    graphs = "on" if train.cuda_graphs else f"off ({train.graphs_off})" if train.graphs_off else "off"
+    stored = train.stored_note or f"{train.stored_layers} stored layers"
+    with_them = _gib(train.estimate.gpu_bytes)
+    return f"speed within the budget: CUDA graphs {graphs}; {stored}; packed_sft with them {with_them}"
+
+
 def render(spec: PipelineSpec, rows: list[StagePlan], limits: dict, budget: Budget) -> str:
     """The plan as text: budgets, each stage's estimate with its main terms and verdicts, the limits."""
     cap = f", run held to {budget.gpu_fraction:g} of it" if budget.gpu_fraction else ""
@@ -409,6 +421,7 @@ def render(spec: PipelineSpec, rows: list[StagePlan], limits: dict, budget: Budg
             f"largest micro-batch that fits at {spec.data.max_seq_length} tokens: {best or 'none'}; "
             f"largest sequence length at micro-batch {limits['micro_batch']}: {limits['largest_seq_len'] or 'none'}"
         )
+        lines.append(_render_extras(limits["extras"]))
     lines.append("pools (the job variables a deployment's run fills, docs/deployments.md):")
     lines += [_render_needs(n) for n in pool_needs(spec, rows)]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """The packed_sft settings of one training attempt, decided in one place: `resolve_train`.
 
 The flow's packed_sft task, `slimtune plan`, attach_lora and every torchrun rank read their micro-batch,
-accumulation, checkpointing, kernels, varlen attention, CUDA graphs and memory estimate from here, so the
+accumulation, checkpointing, kernels, varlen attention, CUDA graphs, stored layers and memory estimate from here, so the
 micro-batch the planner reports, the checkpointing attach_lora sets up and the kernels the guard's estimate
 assumes cannot drift apart. A root module beside `slimtune.plan.fit` (whose search primitives it uses, and which
 calls it): inside train/ the two would make an import cycle through that folder (tests/test_import_graph.py).
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from slimtune.kernels.apply import expected_kernels
 from slimtune.memory.downshift import downshift_train
 from slimtune.memory.estimate import Estimate
+from slimtune.memory.model_shape import model_shape
 from slimtune.plan.fit import auto_micro_batch, train_estimate
 from slimtune.spec.schema import PipelineSpec, TrainSpec
 from slimtune.train.step.attention import varlen_expected
@@ -73,11 +74,14 @@ class TrainSettings:
         kernels_excluded: kernels this run leaves out, with why (attach_lora passes them to `apply_kernels`).
         varlen: whether attention is expected to run varlen flash on packed rows (what the estimate assumes).
         cuda_graphs: whether to capture the layers' backward as CUDA graphs.
+        stored_layers: under checkpointing, how many of the last decoder layers keep their activations instead of
+            being recomputed (`train.stored_layers`); 0 without checkpointing, where every layer keeps them.
         estimate: the packed_sft memory estimate at these settings, graphs included where they are on (the guard's).
         base_estimate: the estimate without the graphs' extra: what fitting is decided on (the planner's).
         auto_note: how `auto` chose the micro-batch (None for a fixed one).
         downshift_notes: what each retry changed (empty on the first attempt).
         graphs_off: why CUDA graphs are off although `train.cuda_graphs` asks for them (None otherwise).
+        stored_note: how `stored_layers: auto` chose (None for a count the spec gives, or without checkpointing).
     """
 
     micro_batch: int
@@ -87,11 +91,13 @@ class TrainSettings:
     kernels_excluded: dict[str, str]
     varlen: bool
     cuda_graphs: bool
+    stored_layers: int
     estimate: Estimate
     base_estimate: Estimate
     auto_note: str | None = None
     downshift_notes: tuple[str, ...] = ()
     graphs_off: str | None = None
+    stored_note: str | None = None
 
 
 def resolve_train(
@@ -128,6 +134,9 @@ def resolve_train(
     if train.cuda_graphs and not graphs:
         retry = attempt > 1
         graphs_off = "a retry after running out of memory" if retry else "the estimate with them exceeds the budget"
+    stored, stored_note = _stored_layers(spec, cfg, device_type, attempt, shift.checkpointing, graphs, fits, estimate)
+    if stored and stored == model_shape(cfg).layers:
+        graphs = False  # no layer is recomputed: there is no backward to capture
     return TrainSettings(
         micro_batch=shift.micro_batch,
         grad_accum=shift.grad_accum,
@@ -136,9 +145,50 @@ def resolve_train(
         kernels_excluded=excluded_kernels(train),
         varlen=varlen_expected(cfg, device_type, spec.data.packing),
         cuda_graphs=graphs,
-        estimate=estimate(cuda_graphs=graphs),
+        stored_layers=stored,
+        estimate=estimate(cuda_graphs=graphs, stored_layers=stored),
         base_estimate=estimate(),
         auto_note=auto_note,
         downshift_notes=shift.notes,
         graphs_off=graphs_off,
+        stored_note=stored_note,
     )
+
+
+def _stored_layers(
+    spec: PipelineSpec,
+    cfg: dict,
+    device_type: str,
+    attempt: int,
+    checkpointing: bool | str,
+    graphs: bool,
+    fits: Callable[[Estimate], bool],
+    estimate: Callable[..., Estimate],
+) -> tuple[int, str | None]:
+    """How many of the last decoder layers skip the recompute (`train.stored_layers`), and how auto chose.
+
+    After the micro-batch and the CUDA graphs, which buy more speed per GiB (the graphs hold about one recomputed
+    layer and speed every layer's backward), auto spends what the budget has left on layers that keep their
+    activations, each saving one layer's recompute per micro-batch: the largest count whose estimate fits.
+    """
+    if checkpointing is False:  # every layer keeps its activations already
+        return 0, None
+    if attempt > 1:  # the downshifts trade speed for memory: the recompute comes back first
+        return 0, "0 on a retry after running out of memory" if spec.train.stored_layers != 0 else None
+    if spec.train.stored_layers != "auto":
+        return spec.train.stored_layers, None
+    if device_type != "cuda":
+        return 0, "auto: 0 on the CPU, where activations take host memory that no budget holds"
+    if spec.train.num_gpus > 1:
+        return 0, "auto: 0 on several GPUs (every rank recomputes each layer)"
+    layers = model_shape(cfg).layers
+    if fits(estimate(stored_layers=layers)):  # no layer recomputed: no graphs either
+        return layers, f"auto: all {layers} layers keep their activations (nothing is recomputed)"
+    lo, hi = 0, layers - 1
+    while lo < hi:  # the largest count that fits; the estimate grows with it
+        mid = (lo + hi + 1) // 2
+        if fits(estimate(cuda_graphs=graphs, stored_layers=mid)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, f"auto: the last {lo} of {layers} layers keep their activations, the others are recomputed"

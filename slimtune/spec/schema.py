@@ -303,6 +303,14 @@ class TrainSpec(_Section):
         "no dropout): one launch per layer where the host issued ~150; 1B at batch 1 on an H100 trains ~2x faster. "
         "Used only where the memory estimate with them fits the budget, and off on a retry after out-of-memory.",
     )
+    stored_layers: int | Literal["auto"] = Field(
+        "auto",
+        description="Under gradient checkpointing, how many decoder layers (the last ones) keep their activations "
+        "for the backward instead of recomputing them: each one saves a layer's recompute per step and costs its "
+        "activations in GPU memory. auto: as many as the GPU budget holds after the micro-batch and CUDA graphs "
+        "(one CUDA GPU; 0 on the CPU, on several GPUs and on a retry after out-of-memory); 0: every layer "
+        "recomputes (least memory).",
+    )
     num_gpus: int = Field(1, ge=1, le=64, description="Data-parallel GPUs on this host (torchrun).")
     parallelism: Literal["ddp", "fsdp"] = Field(
         "ddp",
@@ -338,6 +346,18 @@ class TrainSpec(_Section):
         if v != "auto" and not 0 < v <= 4096:
             raise ValueError(f"micro_batch_size is {v}: it must be greater than 0 and at most 4096, or auto")
         return v
+
+    @model_validator(mode="after")
+    def _stored_layers(self) -> TrainSpec:
+        v = self.stored_layers
+        if v != "auto" and v < 0:
+            raise ValueError(f"train.stored_layers is {v}: it must be 0 or more (at most the model's layers), or auto")
+        if v not in ("auto", 0) and self.num_gpus > 1:
+            raise ValueError(
+                f"train.stored_layers is {v} with train.num_gpus {self.num_gpus}: layers keep their activations "
+                "on one GPU only (every rank recomputes each layer); use auto or 0"
+            )
+        return self
 
     @field_validator("kernels")
     @classmethod

@@ -51,6 +51,7 @@ def packed_sft(
     plan: RunPlan | None = None,
     callbacks: list[TrainerCallback] | None = None,
     cuda_graphs: bool | None = None,
+    stored_layers: int = 0,
 ) -> TrainReport:
     """Train the LoRA adapter; micro-batch, accumulation and checkpointing may be downshifted by the guard.
 
@@ -59,6 +60,7 @@ def packed_sft(
         callbacks: extra Trainer callbacks (benchmarks/profile_step.py profiles the product's steps with one).
         cuda_graphs: whether to capture the layers' backward (default `train.cuda_graphs`; the flow turns them off
             where their memory does not fit the budget).
+        stored_layers: how many of the last checkpointed layers keep their activations (`TrainSettings`).
     """
     model = registry.get(model_handle)
     current = registry.get(checkpointing_handle)
@@ -87,6 +89,7 @@ def packed_sft(
         gradient_accumulation_steps=gradient_accumulation_steps,
         callbacks=callbacks,
         cuda_graphs=spec.train.cuda_graphs if cuda_graphs is None else cuda_graphs,
+        stored_layers=stored_layers,
         tracker_params=tracker_params(spec, plan.compute_dtype),
         describe=lambda report: describe_adapter(spec, report, plan),
     )

@@ -45,6 +45,8 @@ class TrainReport:
     # CUDA graphs of the layers' backward: "N captured, M replays", with why they went off if they did; None
     # where they were not used (train.cuda_graphs false, more than one process, or `graphs_refusal`'s reasons)
     cuda_graphs: str | None = None
+    # Checkpointed decoder layers (the last ones) that kept their activations instead of being recomputed
+    stored_layers: int = 0
 
 
 def read_report(run_dir: Path) -> dict:

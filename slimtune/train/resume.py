@@ -37,6 +37,7 @@ _OPERATIONAL = {
     "save_total_limit",
     "kernels",
     "cuda_graphs",
+    "stored_layers",
     "num_gpus",
     "report_to",
 }

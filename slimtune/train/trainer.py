@@ -213,6 +213,7 @@ def train_adapter(
     gradient_accumulation_steps: int,
     callbacks: list[TrainerCallback] | None = None,
     cuda_graphs: bool | None = None,
+    stored_layers: int = 0,
     tracker_params: Mapping[str, str] | None = None,
     describe: Callable[[TrainReport], Sequence[Path]] | None = None,
 ) -> TrainReport:
@@ -224,6 +225,7 @@ def train_adapter(
         gradient_accumulation_steps: micro-batches per optimizer step (raised with a lower micro-batch).
         callbacks: extra Trainer callbacks (e.g. the memory guard's).
         cuda_graphs: capture each checkpointed layer's backward (`step_context`); default `train.cuda_graphs`.
+        stored_layers: how many of the last checkpointed layers keep their activations (`step_context`).
         tracker_params: the spec as params for the trackers (`trackers.tracker_params`).
         describe: writes files about the finished adapter (its card) from the report; MLflow and W&B get them and
             the report as artifacts.
@@ -337,19 +339,21 @@ def train_adapter(
         trainer.add_callback(_PublishCheckpoint(trainer, ckpt_root))
         began = trainer.began = time.perf_counter()
         trainer.seconds_before = seconds_before
-        graphs_note = None
+        graphs_note, stored = None, 0
         if resume_from is not None and is_finished(resume_from):
             restore_finished(trainer, model, resume_from)
         else:
             step_settings = StepSettings(
                 single_process=args.world_size == 1,
                 cuda_graphs=train.cuda_graphs if cuda_graphs is None else cuda_graphs,
+                stored_layers=stored_layers,
             )
             try:
                 # the bar closes also when training fails: the console gets its handlers back
                 if resume_from is not None:
                     load_experts(model, resume_from)  # Trainer's resume loads peft's layers only
                 with contextlib.closing(bar), step_context(model, step_settings) as step:
+                    stored = step.stored
                     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
                     if (graphs := step.graphs) is not None:
                         graphs_note = f"{graphs.captured} captured, {graphs.replays} replays"
@@ -414,6 +418,7 @@ def train_adapter(
         perplexity_before=perplexity(eval_before),
         perplexity_after=perplexity(eval_after),
         cuda_graphs=graphs_note,
+        stored_layers=stored,
     )
     report.run_id, report.finished_at = run_identity()
     if trainer.is_world_process_zero():

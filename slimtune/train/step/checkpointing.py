@@ -191,6 +191,7 @@ class _CheckpointedForward:
         mode: the checkpointing mode it runs.
         listed: the layer's trainable parameters while `parameters_from_lists` holds them; None: found per call.
         graphs: the CUDA graphs of the layers' backward while `graphed_backward` runs; None: an eager backward.
+        stored: the layer runs as it is, keeping its activations for the backward (`stored_layers`).
     """
 
     def __init__(
@@ -209,10 +210,11 @@ class _CheckpointedForward:
         self.layer_pass = layer_pass
         self.listed: list[torch.Tensor] | None = None
         self.graphs: LayerGraphs | None = None
+        self.stored = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         layer, inner = self.layer, self.inner
-        if not (layer.training and torch.is_grad_enabled()):
+        if self.stored or not (layer.training and torch.is_grad_enabled()):
             return inner(*args, **kwargs)
         if args:
             hidden, rest = args[0], args[1:]
@@ -278,6 +280,26 @@ def parameters_from_lists(model: nn.Module) -> Iterator[int]:
     finally:
         for forward, _ in patched:
             forward.listed = None
+
+
+@contextlib.contextmanager
+def stored_layers(model: nn.Module, count: int) -> Iterator[int]:
+    """Within the block, the last `count` checkpointed decoder layers run as they are, keeping their activations
+    for the backward instead of recomputing them (`train.stored_layers`); yields how many do.
+
+    The last ones, because their backward runs first: their activations are freed before any layer is recomputed,
+    so the step's memory peaks at the larger of the two, not their sum (`estimate_train`). A stored layer's
+    backward is autograd's own; the graphs capture the recomputed layers' only.
+    """
+    patched = _patched(model)
+    chosen = patched[len(patched) - min(count, len(patched)) :]
+    for forward, _ in chosen:
+        forward.stored = True
+    try:
+        yield len(chosen)
+    finally:
+        for forward, _ in chosen:
+            forward.stored = False
 
 
 def _patched(model: nn.Module) -> list[tuple[_CheckpointedForward, nn.Module]]:
