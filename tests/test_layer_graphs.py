@@ -22,6 +22,7 @@ from slimtune.train.step.checkpointing import (
     enable_checkpointing,
     graphed_backward,
     graphs_refusal,
+    stored_layers,
 )
 from slimtune.train.step.layer_graphs import LayerGraphs
 
@@ -250,6 +251,34 @@ def test_graphed_backward_trains_as_the_eager_backward_does(family: str, monkeyp
             assert ref.abs().sum() > 0, name
             # the same kernels on the same values; flash attention's backward adds in a varying order
             assert float((g - ref).norm() / ref.norm()) < 1e-2, (step, name)
+
+
+@pytest.mark.gpu
+def test_stored_layers_run_their_own_backward_beside_the_graphed_ones() -> None:
+    """With the last of three layers stored (`stored_layers`), the graphs capture and replay the two recomputed
+    layers only, and the gradients stay those of every layer recomputed eagerly."""
+    from slimtune.kernels import apply_kernels
+    from slimtune.train.step.attention import prefer_varlen
+
+    runs = []
+    for stored in (0, 1):
+        torch.manual_seed(0)
+        model = _lora(device="cuda", quantize=True, num_hidden_layers=3)
+        layer_pass = LayerPass()
+        apply_kernels(model, "auto", checkpoint_pass=layer_pass)
+        batches = _batches([6, 8, 7, 6], varlen=prefer_varlen(model, torch.device("cuda")))
+        grads: list = []
+        with _enable(model, "unsloth", layer_pass, offload_min_bytes=0), stored_layers(model, stored) as n:
+            assert n == stored
+            graphs = _train(model, batches, grads, graphs_on=bool(stored))
+        runs.append(grads)
+    # step 0 eager, step 1 captures the two recomputed layers and replays them, steps 2-3 replay
+    assert graphs is not None and graphs.reason is None
+    assert (graphs.captured, graphs.replays) == (2, 3 * 2)
+    for step, ((loss_e, eager), (loss_g, graphed)) in enumerate(zip(*runs, strict=True)):
+        assert loss_g == pytest.approx(loss_e, rel=1e-3), step
+        for name, g in graphed.items():
+            assert float((g - eager[name]).norm() / eager[name].norm()) < 1e-2, (step, name)
 
 
 @pytest.mark.gpu
