@@ -32,7 +32,7 @@ from slimtune.models.experts import EXPERT_CLASSES, HELD, per_expert_lora_key
 
 BLOCKSIZE = 64  # NF4 block, as bitsandbytes' default and QLoRA's
 _BLOCKSIZE2 = 256  # blocks of absmax values that bitsandbytes' double quantization uses
-_CHUNK_ELEMENTS = 1 << 26  # fp32 temporaries of quantization bounded to ~256 MiB per chunk of experts
+CHUNK_ELEMENTS = 1 << 26  # fp32 temporaries of quantization bounded to ~256 MiB per chunk of experts
 LORA_PROJECTIONS = tuple(HELD)  # the projections of `NF4Experts`: gate_up, down
 
 
@@ -113,7 +113,7 @@ def quantize_experts(weight: torch.Tensor, dtype: torch.dtype | None = None) -> 
     storage = NF4ExpertWeights(num_experts, (rows, cols), dtype or weight.dtype, weight.device)
     bounds = (storage.code[:-1] + storage.code[1:]) / 2  # NF4's code is sorted: midpoints bucket to nearest
     absmax = torch.empty(num_experts, storage.absmax.shape[1], device=weight.device)
-    chunk = max(1, _CHUNK_ELEMENTS // (rows * cols))
+    chunk = max(1, CHUNK_ELEMENTS // (rows * cols))
     for start in range(0, num_experts, chunk):
         blocks = weight[start : start + chunk].reshape(-1, BLOCKSIZE).float()
         block_max = blocks.abs().max(dim=-1)[0]

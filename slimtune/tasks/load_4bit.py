@@ -134,9 +134,10 @@ class _HeldLoadReport(logging.Filter):
 
 @contextmanager
 def _load_report_held(hold: bool) -> Iterator[None]:
-    """Around one `from_pretrained` of a multimodal checkpoint's language model: its load report would list every
-    vision tensor (Gemma-3-4B: 439 rows) as unexpected, so it is held back and `_report_unloaded` says what matters.
-    Scoped to the call; if loading fails, the report is emitted as transformers wrote it (its error points to it)."""
+    """Around one `from_pretrained` of a multimodal checkpoint's language model or of an MoE built without its
+    experts: its load report would list every vision tensor (Gemma-3-4B: 439 rows) or fused expert tensor as
+    unexpected, so it is held back and `_report_unloaded` says what matters. Scoped to the call; if loading fails,
+    the report is emitted as transformers wrote it (its error points to it)."""
     if not hold:
         yield
         return
@@ -153,9 +154,10 @@ def _load_report_held(hold: bool) -> Iterator[None]:
         logger.removeFilter(held)
 
 
-def _report_unloaded(model_dir: Path, loading_info: dict[str, Any]) -> None:
+def _report_unloaded(model_dir: Path, loading_info: dict[str, Any], experts: set[str]) -> None:
     """One line for the vision tower and mtp weights left for the merge to copy (by the merge's own rule), a warning
-    for any other key the load did not use or did not find: those are a real problem and must stay visible."""
+    for any other key the load did not use or did not find, but `experts` (what `load_nf4_experts` loads after): those
+    are a real problem and must stay visible."""
     from slimtune.merge.safetensors_io import checkpoint_shards, read_entries
 
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
@@ -167,7 +169,7 @@ def _report_unloaded(model_dir: Path, loading_info: dict[str, Any]) -> None:
             model_dir,
             " and ".join(f"{n} {part}" for part, n in sorted(parts.items())),
         )
-    unexpected = sorted(k for k in loading_info["unexpected_keys"] if copied_part(k) is None)
+    unexpected = sorted(k for k in loading_info["unexpected_keys"] if copied_part(k) is None and k not in experts)
     missing = sorted(loading_info["missing_keys"])
     if unexpected or missing:
         log.warning(
@@ -188,9 +190,10 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
         plan: the flow's run plan (model folder, device, dtype); resolved here when called on its own.
     """
     import bitsandbytes as bnb
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    from slimtune.kernels.nf4_experts import quantize_model_experts
+    from slimtune.tasks.load_experts import fused_names, load_nf4_experts, without_dense_experts
 
     plan = plan_for(spec, plan)
     model_dir, device, dtype = Path(plan.model_dir), plan.torch_device, plan.dtype
@@ -199,8 +202,13 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
     on_host = loads_on_host(spec, device)
     load_device = torch.device("cpu") if on_host else device
     multimodal = text_model_load_kwargs(model_dir)  # a multimodal checkpoint: its language model, no vision tower
-    with _load_report_held(bool(multimodal)):
-        model, loading_info = AutoModelForCausalLM.from_pretrained(
+    family = FAMILIES[plan.family]
+    # an MoE: built without its 16-bit experts, which load_nf4_experts quantizes one layer at a time after the load
+    loader = (
+        without_dense_experts(getattr(transformers, family.architecture)) if family.experts else AutoModelForCausalLM
+    )
+    with _load_report_held(bool(multimodal) or family.experts):
+        model, loading_info = loader.from_pretrained(
             model_dir,
             quantization_config=quant,
             dtype=dtype,
@@ -212,11 +220,11 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
             output_loading_info=True,
             **multimodal,
         )
-    if multimodal:
-        _report_unloaded(model_dir, loading_info)
+    if multimodal or family.experts:
+        _report_unloaded(model_dir, loading_info, fused_names(model))
     model.config.use_cache = False
     n4 = keep_training_layout(model)
-    experts = quantize_model_experts(model, dtype)  # 3-D expert tensors, which bitsandbytes leaves in 16 bits
+    n_experts = load_nf4_experts(model, model_dir, dtype, load_device)
     if fsdp:
         _keep_quant_state_on_module(model)
     if on_host:
@@ -233,7 +241,7 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
         plan.family,
         device,
         n4,
-        f", {experts} expert blocks" if experts else "",
+        f", {n_experts} expert blocks" if n_experts else "",
     )
     return LoadResult(
         handle=handle,
