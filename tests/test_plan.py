@@ -70,14 +70,21 @@ def test_auto_takes_the_largest_divisor_that_fits_and_keeps_the_effective_batch(
     assert auto_micro_batch(train, lambda mb: True)[:2] == (12, 1)
     mb, accum, note = auto_micro_batch(train, lambda mb: False)
     assert (mb, accum) == (1, 12) and "none fits" in note
+    # rows of 2048 tokens, the spare memory to stored layers: up to the first divisor of 8192 tokens or more
+    mb, accum, note = auto_micro_batch(train, lambda mb: True, 2048)
+    assert (mb, accum) == (4, 3) and "the first divisor of 8192 tokens or more" in note
+    assert auto_micro_batch(train, lambda mb: mb <= 3, 2048)[:2] == (3, 4)
+    assert auto_micro_batch(train, lambda mb: True, 512)[:2] == (12, 1)  # 12 x 512 tokens: none reaches 8192
 
 
 def test_auto_in_the_plan_reports_the_choice(tmp_path):
     spec = _spec(tmp_path, micro_batch_size="auto", effective_batch_size=16)
     _, limits = plan(spec, LLAMA_8B, Budget(16 * _GIB, None, None))
-    assert limits["micro_batch"] in (1, 2, 4, 8, 16) and limits["micro_batch"] == max(
-        d for d in (1, 2, 4, 8, 16) if d <= limits["largest_micro_batch"]
-    )
+    assert limits["largest_micro_batch"] >= 8
+    # 4 x 2048 tokens keep the GPU busy: the rest of the budget goes to stored layers
+    assert limits["micro_batch"] == 4 and limits["extras"].stored_layers > 0
+    fixed = _spec(tmp_path, micro_batch_size="auto", effective_batch_size=16, stored_layers=0)
+    assert plan(fixed, LLAMA_8B, Budget(16 * _GIB, None, None))[1]["micro_batch"] == limits["largest_micro_batch"]
 
 
 @pytest.mark.parametrize("bad", [0, 5000, "big"])

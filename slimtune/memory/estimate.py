@@ -283,7 +283,10 @@ def estimate_train(
 
     `stored_layers`: under checkpointing, the last this many decoder layers keep their activations instead of
     recomputing them (`train.stored_layers`). Their backward runs first and frees those activations before any
-    layer is recomputed, so the step peaks at the larger of (stored activations + loss) and one recomputed layer.
+    layer is recomputed, but the recompute does not reuse all of their blocks: on an H200, 8B at 16 x 2048 with
+    CUDA graphs and one stored layer (5.2 GiB of activations) held 22.47 GiB of the card where counting them as
+    reused estimated 22.03 (benchmarks/results/memory/h200-2026-11-27-stored-layers.json). So they count in full,
+    beside the peak phase.
 
     `shard_ranks` > 1 is FSDP-QLoRA: each rank keeps 1/shard_ranks of the weights, LoRA weights, grads
     and optimizer state, and gathers whole layers while it computes them (the one it computes and the
@@ -331,7 +334,7 @@ def estimate_train(
     layer_input = shape.hidden * compute_dtype_bytes
     host = {"process and CUDA libraries": _PROCESS_HOST_BYTES}
     mode = "standard" if checkpointing is True else (checkpointing or "none")
-    recompute = stored = 0
+    recompute = 0
     stored_per_layer = int(tokens * (per_layer * (_FUSED_STORED if fused else 1.0) + varlen))
     if mode == "none":
         gpu["activations (no checkpointing)"] = stored_per_layer * shape.layers
@@ -340,7 +343,7 @@ def estimate_train(
             raise ValueError(f"train.stored_layers is {stored_layers}: the model has {shape.layers} decoder layers")
         recomputed = shape.layers - stored_layers
         if stored_layers:
-            stored = gpu["activations of the stored layers"] = stored_per_layer * stored_layers
+            gpu["activations of the stored layers"] = stored_per_layer * stored_layers
         if recomputed:
             recompute = int(tokens * (per_layer * (_FUSED_RECOMPUTE if fused else 1.0) + varlen))
         if mode == "standard" and recomputed:
@@ -368,19 +371,13 @@ def estimate_train(
         # The bf16 lm_head output, its float32 upcast in the loss, the saved log-softmax and its
         # float32 gradient (2 + 4 + 4 + 4 bytes, less the upcast freed before the gradient = 12).
         loss = tokens * shape.vocab * 12
-    freed = 0  # stored activations the recompute reuses: counted once, above
-    if loss + stored >= recompute:
+    if loss >= recompute:
         gpu["logits and loss (peak phase)"] = loss
-    elif stored:  # the stored layers' activations are freed by the time the first layer is recomputed
-        freed = stored
-        gpu["one recomputed layer, less the freed stored activations (peak phase)"] = recompute - stored
     else:
         gpu["one recomputed layer (peak phase)"] = recompute
     # Stored activations are allocated once per step; what is freed and re-allocated within the
-    # step (layer inputs in flight, the peak phase: a whole recomputed layer) fragments the allocator's blocks.
-    churn = freed + sum(
-        v for k, v in gpu.items() if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS + _GRAPH_TERMS
-    )
+    # step (layer inputs in flight, the peak phase) is what fragments the allocator's blocks.
+    churn = sum(v for k, v in gpu.items() if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS + _GRAPH_TERMS)
     offloaded = mode in ("unsloth", "offload")
     share = _FRAGMENTATION_EAGER if not fused else _FRAGMENTATION_OFFLOADED if offloaded else _FRAGMENTATION
     gpu["allocator fragmentation"] = (

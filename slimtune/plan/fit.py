@@ -27,6 +27,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Optimizer state per trainable parameter: AdamW's two float32 moments, or two 8-bit ones.
 _OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2}
 _SEQ_STEP = 256  # sequence lengths the planner tries are multiples of this
+# Tokens per micro-batch from which a step is bound by the GPU's arithmetic: 8B at 4, 8 and 16 x 2048 trained within
+# 1.5% tokens/s of each other on an H200 (benchmarks/results/memory/h200-2026-11-26-budget-speed.json), where 12
+# stored layers at 4 x 2048 trained 9.7% faster than none (h200-2026-11-27-stored-layers.json).
+GPU_BOUND_TOKENS = 8192
 _MAX_MICRO_BATCH = 256
 
 
@@ -179,14 +183,25 @@ def micro_batch_candidates(train) -> list[int]:
     return list(range(1, _MAX_MICRO_BATCH + 1))
 
 
-def auto_micro_batch(train, fits) -> tuple[int, int, str]:
+def auto_micro_batch(train, fits, spare_tokens: int | None = None) -> tuple[int, int, str]:
     """(micro_batch, accumulation, note) for `micro_batch_size: auto`: the largest divisor of the effective
-    batch for which `fits(micro_batch)` holds; 1 when none does (the preflight then says why)."""
+    batch for which `fits(micro_batch)` holds; 1 when none does (the preflight then says why).
+
+    `spare_tokens`: the tokens of one row; the micro-batch then stops at the first divisor that reaches
+    `GPU_BOUND_TOKENS`, beyond which a larger one barely speeds a step: the memory it would take buys more speed
+    as stored layers (`train.stored_layers`)."""
     n = train.effective_batch_size
-    best = largest_micro_batch(fits, micro_batch_candidates(train))
+    candidates = micro_batch_candidates(train)
+    if spare_tokens:
+        bound = next((d for d in candidates if d * spare_tokens >= GPU_BOUND_TOKENS), candidates[-1])
+        candidates = [d for d in candidates if d <= bound]
+    best = largest_micro_batch(fits, candidates)
     mb = best or 1
+    why = "the largest divisor whose estimate fits the budget"
+    if spare_tokens and best == candidates[-1] and candidates[-1] < n:
+        why = f"the first divisor of {GPU_BOUND_TOKENS} tokens or more, the rest of the budget to stored layers"
     note = f"micro_batch_size auto: {mb} x {n // mb} accumulation (effective batch {n}); " + (
-        "the largest divisor whose estimate fits the budget" if best else "none fits the budget, trying 1"
+        why if best else "none fits the budget, trying 1"
     )
     return mb, n // mb, note
 

@@ -122,8 +122,14 @@ def resolve_train(
     train, ckpt = spec.train, spec.lora.gradient_checkpointing
     micro_batch, grad_accum, auto_note = train.micro_batch_size, train.gradient_accumulation_steps, None
     if micro_batch == "auto":
+        # memory beyond a GPU-bound micro-batch goes to stored layers where they can take it
+        to_stored = (
+            device_type == "cuda" and train.stored_layers == "auto" and train.num_gpus == 1 and ckpt is not False
+        )
         micro_batch, grad_accum, auto_note = auto_micro_batch(
-            train, lambda mb: fits(train_estimate(spec, cfg, mb, ckpt, device_type))
+            train,
+            lambda mb: fits(train_estimate(spec, cfg, mb, ckpt, device_type)),
+            spec.data.max_seq_length if to_stored else None,
         )
     shift = downshift_train(micro_batch, grad_accum, ckpt, attempt)
     estimate = functools.partial(train_estimate, spec, cfg, shift.micro_batch, shift.checkpointing, device_type)

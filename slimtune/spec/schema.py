@@ -265,7 +265,9 @@ class TrainSpec(_Section):
     micro_batch_size: int | Literal["auto"] = Field(
         4,
         description="Packed rows per forward pass (1-4096), or auto: the largest divisor of "
-        "effective_batch_size whose calibrated estimate fits the GPU budget, the rest as accumulation.",
+        "effective_batch_size whose calibrated estimate fits the GPU budget, the rest as accumulation; with "
+        "stored_layers auto on one GPU, at most the first divisor of 8192 tokens or more (the GPU is busy from "
+        "there), the rest of the budget going to stored layers.",
     )
     effective_batch_size: int = Field(
         16, gt=0, le=65536, description="Rows per optimizer step when micro_batch_size is auto (else unused)."
