@@ -230,3 +230,37 @@ def test_auto_at_6_gib_chose_the_largest_micro_batch_that_fits_and_did_not_run_o
     assert run["rc"] == 0 and (run["train"]["micro_batch_size"], run["train"]["gradient_accumulation_steps"]) == (1, 16)
     sft = run["stages"]["packed_sft"]
     assert sft["outcome"] == "completed" and sft["attempts"] == 1 and sft["peak_gpu_reserved"] <= budget
+
+
+STORED_TABLES = tuple(TABLE.with_name(f"h200-2026-11-27-stored-layers{s}.json") for s in ("", "-b"))
+
+
+def _stored_runs() -> list:
+    return [
+        pytest.param(r, id=f"{t.stem}-{r['run']}") for t in STORED_TABLES for r in json.loads(t.read_text())["runs"]
+    ]
+
+
+@pytest.mark.parametrize("run", _stored_runs())
+def test_stored_layer_runs_hold_the_band_and_their_budget_on_the_card(run):
+    """`slimtune run` on the 8B shape under device-wide budgets with `train.stored_layers` auto or fixed (and the
+    micro-batch auto or fixed), each as it ran: CUDA graphs or not, how many layers it stored. The estimate holds the
+    process's peak on the card within [1.0, 1.15], and the card, sampled from outside, never held more than the
+    budget."""
+    train, rec = run["train"], run["stages"]["packed_sft"]
+    assert run["rc"] == 0 and rec["outcome"] == "completed" and rec["attempts"] == 1
+    graphs = bool(run["cuda_graphs"]) and "captured" in run["cuda_graphs"]
+    est = estimate_train(
+        _config_8b(),
+        micro_batch=train["micro_batch_size"],
+        seq_len=2048,
+        lora_r=16,
+        target_modules="all-linear",
+        checkpointing=run["checkpointing"],
+        kernels=expected_kernels("auto", "cuda", "llama"),
+        varlen_attention=_varlen(train["batching"]),
+        cuda_graphs=graphs,
+        stored_layers=train["stored_layers"],
+    )
+    assert _in_band(est.gpu_bytes, rec["peak_device_used"]), (est.gpu_bytes / rec["peak_device_used"], est.breakdown)
+    assert run["device_peak_gib"] <= run["budget_gib"]

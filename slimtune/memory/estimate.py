@@ -62,6 +62,11 @@ _FRAGMENTATION_FLOOR = int(0.2 * _GIB)
 _HOST_TABLE_FRAGMENTATION = 0.25
 # Offloaded checkpointing: layer inputs on the GPU at once (the one computed, copies to and from host).
 _OFFLOAD_IN_FLIGHT = 3
+# Share of the stored layers' freed blocks that the first recomputed layer reuses. On an H200, 8B at 16 x 2048 with
+# one stored layer (5.2 GiB of activations) and CUDA graphs held 22.47 GiB of the card, where full reuse estimated
+# 22.03: at most 0.91 of it was reused. At 0.75 each of the 8 stored-layer cells of
+# benchmarks/results/memory/h200-2026-11-27-stored-layers{,-b}.json estimates within 1.0-1.15 x measured.
+_STORED_REUSED = 0.75
 _STORED_TERMS = ("activations (no checkpointing)", "activations of the stored layers", "checkpointed layer inputs")
 _WEIGHT_TERMS = ("nf4 linears", "embeddings and lm_head", "norms and biases")
 _STATE_TERMS = ("lora weights and grads (fp32)", "optimizer state", _CONTEXT_TERM)
@@ -283,10 +288,8 @@ def estimate_train(
 
     `stored_layers`: under checkpointing, the last this many decoder layers keep their activations instead of
     recomputing them (`train.stored_layers`). Their backward runs first and frees those activations before any
-    layer is recomputed, but the recompute does not reuse all of their blocks: on an H200, 8B at 16 x 2048 with
-    CUDA graphs and one stored layer (5.2 GiB of activations) held 22.47 GiB of the card where counting them as
-    reused estimated 22.03 (benchmarks/results/memory/h200-2026-11-27-stored-layers.json). So they count in full,
-    beside the peak phase.
+    layer is recomputed, and the recompute reuses most of their blocks, not all (`_STORED_REUSED`): the step peaks
+    at the larger of (stored activations + loss) and (what the recompute cannot reuse + one recomputed layer).
 
     `shard_ranks` > 1 is FSDP-QLoRA: each rank keeps 1/shard_ranks of the weights, LoRA weights, grads
     and optimizer state, and gathers whole layers while it computes them (the one it computes and the
@@ -334,7 +337,7 @@ def estimate_train(
     layer_input = shape.hidden * compute_dtype_bytes
     host = {"process and CUDA libraries": _PROCESS_HOST_BYTES}
     mode = "standard" if checkpointing is True else (checkpointing or "none")
-    recompute = 0
+    recompute = stored = 0
     stored_per_layer = int(tokens * (per_layer * (_FUSED_STORED if fused else 1.0) + varlen))
     if mode == "none":
         gpu["activations (no checkpointing)"] = stored_per_layer * shape.layers
@@ -343,7 +346,7 @@ def estimate_train(
             raise ValueError(f"train.stored_layers is {stored_layers}: the model has {shape.layers} decoder layers")
         recomputed = shape.layers - stored_layers
         if stored_layers:
-            gpu["activations of the stored layers"] = stored_per_layer * stored_layers
+            stored = gpu["activations of the stored layers"] = stored_per_layer * stored_layers
         if recomputed:
             recompute = int(tokens * (per_layer * (_FUSED_RECOMPUTE if fused else 1.0) + varlen))
         if mode == "standard" and recomputed:
@@ -371,13 +374,18 @@ def estimate_train(
         # The bf16 lm_head output, its float32 upcast in the loss, the saved log-softmax and its
         # float32 gradient (2 + 4 + 4 + 4 bytes, less the upcast freed before the gradient = 12).
         loss = tokens * shape.vocab * 12
-    if loss >= recompute:
-        gpu["logits and loss (peak phase)"] = loss
+    reused = stored - int(stored * (1 - _STORED_REUSED))  # by the recompute, once the stored layers' backward ran
+    if stored + loss >= stored - reused + recompute:
+        gpu["logits and loss (peak phase)"], reused = loss, 0
+    elif stored:
+        gpu["one recomputed layer, less the stored blocks it reuses (peak phase)"] = recompute - reused
     else:
         gpu["one recomputed layer (peak phase)"] = recompute
     # Stored activations are allocated once per step; what is freed and re-allocated within the
-    # step (layer inputs in flight, the peak phase) is what fragments the allocator's blocks.
-    churn = sum(v for k, v in gpu.items() if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS + _GRAPH_TERMS)
+    # step (layer inputs in flight, the peak phase: a whole recomputed layer) is what fragments the allocator's blocks.
+    churn = reused + sum(
+        v for k, v in gpu.items() if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS + _GRAPH_TERMS
+    )
     offloaded = mode in ("unsloth", "offload")
     share = _FRAGMENTATION_EAGER if not fused else _FRAGMENTATION_OFFLOADED if offloaded else _FRAGMENTATION
     gpu["allocator fragmentation"] = (
