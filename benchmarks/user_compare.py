@@ -68,7 +68,7 @@ from benchmarks.trl_sft import LEARNING_RATE, LR_SCHEDULE, MAX_GRAD_NORM, NEEDS,
 
 TOOLS = ("slimtune", *trl_sft.TOOLS)
 _MIN_START_S = 30  # a tool is not started with less of the budget left than this
-_SETTINGS = ("model", "tools", "device", "batch", "seq", "steps", "warmup", "gpu_budget_gib")
+_SETTINGS = ("model", "tools", "device", "batch", "seq", "steps", "warmup", "gpu_budget_gib", "match_card_of")
 
 
 def slimtune_spec(args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -285,6 +285,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--gpu-budget-gib", type=float, default=None, help="slimtune held to a card of this size, micro-batch auto"
     )
+    p.add_argument(
+        "--match-card-of",
+        default=None,
+        choices=trl_sft.TOOLS,
+        help="run that tool first and hold slimtune to the card peak it measured (the same memory: who is faster)",
+    )
     p.add_argument("--budget-s", type=float, default=500.0, help="the whole command, model build included")
     p.add_argument("--root", default="/tmp/user-compare", help="scratch: the saved model, the data, the runs")
     p.add_argument("--out", default=os.environ.get("OUT", "user_compare_out"))
@@ -297,8 +303,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         problems.append(f"--tools {args.tools}: choose from {', '.join(TOOLS)}")
     if not 0 <= args.warmup < args.steps:
         problems.append(f"--warmup {args.warmup}: must be at least 0 and less than --steps {args.steps}")
+    if args.match_card_of and (args.gpu_budget_gib or args.match_card_of not in tools or "slimtune" not in tools):
+        problems.append(f"--match-card-of {args.match_card_of}: needs it and slimtune in --tools, no --gpu-budget-gib")
     if problems:
         p.error("; ".join(problems))
+    if args.match_card_of:  # measured first, so slimtune can be held to its card
+        tools.sort(key=lambda t: t != args.match_card_of)
     args.tool_list = tools
     return args
 
@@ -338,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         shown = ("config", "status", "error", "wall_s", "tokens_per_s", "steady_tokens_per_s", "peak_allocated_gib")
         print(json.dumps({k: row.get(k) for k in shown}), flush=True)
         result["rows"].append(row)
+        if tool == args.match_card_of and row.get("card_peak_gib"):
+            args.gpu_budget_gib = result["settings"]["gpu_budget_gib"] = row["card_peak_gib"]
         _write(result, out)  # after every tool: a call cut short keeps what finished
     print(render(result))
     return 0

@@ -123,6 +123,14 @@ def test_parse_args_names_every_bad_option(capsys: pytest.CaptureFixture[str]) -
     assert "--model nope" in err and "--tools slimtune,axolotl" in err and "--warmup 5" in err
 
 
+def test_match_card_of_runs_that_tool_first_and_needs_slimtune(capsys: pytest.CaptureFixture[str]) -> None:
+    args = user_compare.parse_args(["--tools", "slimtune,hf_trl,unsloth", "--match-card-of", "unsloth"])
+    assert args.tool_list == ["unsloth", "slimtune", "hf_trl"]
+    with pytest.raises(SystemExit):
+        user_compare.parse_args(["--tools", "unsloth", "--match-card-of", "unsloth"])
+    assert "--match-card-of unsloth: needs it and slimtune in --tools" in capsys.readouterr().err
+
+
 def test_render_has_a_line_per_tool_with_its_status() -> None:
     rows = [
         {"config": "slimtune", "status": "ok", "wall_s": 61.2, "train_s": 9.81, "tokens": 158_000,
