@@ -77,17 +77,20 @@ def _gpu_checks(est: Estimate, dev: torch.device, budget_bytes: int | None) -> l
 
     What this process already holds is counted once: the resident weights (when they are allocated
     here: a DDP parent has none) and the CUDA context (when it exists) are part of the estimate and
-    are already missing from the device's free memory. The budget caps the caching allocator alone,
-    so the context is left out of that check.
+    are already missing from the device's free memory. Once CUDA is up, the estimate's calibrated context
+    term gives way to what this process measurably holds outside the allocator (`outside_allocator_bytes`).
     """
     free, _total = torch.cuda.mem_get_info(dev)
-    here = est.context_gpu_bytes if torch.cuda.is_initialized() else 0
+    need, here = est.gpu_bytes, 0
+    if torch.cuda.is_initialized():
+        here = outside_allocator_bytes(dev)
+        need += here - est.context_gpu_bytes
     if torch.cuda.memory_allocated(dev) >= 0.9 * est.resident_gpu_bytes:
         here += est.resident_gpu_bytes
-    checks = [(max(est.gpu_bytes - here, 0), free, f"on {dev} (device free; {here / _GIB:.2f} GiB already here)")]
+    checks = [(max(need - here, 0), free, f"on {dev} (device free; {here / _GIB:.2f} GiB already here)")]
     if budget_bytes is not None:
         where = f"in the {budget_bytes / _GIB:.2f} GiB budget on {dev} (device-wide: context included)"
-        checks.append((est.gpu_bytes, budget_bytes, where))
+        checks.append((need, budget_bytes, where))
     return checks
 
 
