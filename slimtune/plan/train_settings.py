@@ -197,4 +197,6 @@ def _stored_layers(
             lo = mid
         else:
             hi = mid - 1
+    if lo == 0:
+        return 0, f"auto: none of the {layers} layers keeps its activations (one more does not fit the budget)"
     return lo, f"auto: the last {lo} of {layers} layers keep their activations, the others are recomputed"
