@@ -288,8 +288,8 @@ def stored_layers(model: nn.Module, count: int) -> Iterator[int]:
     for the backward instead of recomputing them (`train.stored_layers`); yields how many do.
 
     The last ones, because their backward runs first: their activations are freed before any layer is recomputed,
-    so the step's memory peaks at the larger of the two, not their sum (`estimate_train`). A stored layer's
-    backward is autograd's own; the graphs capture the recomputed layers' only.
+    and the recompute reuses most of that memory (`estimate_train`). A stored layer's backward is autograd's own;
+    the graphs capture the recomputed layers' only.
     """
     patched = _patched(model)
     chosen = patched[len(patched) - min(count, len(patched)) :]
