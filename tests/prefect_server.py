@@ -54,6 +54,22 @@ class Server:
         path = self.home / name
         return path.read_text(errors="replace")[-4000:] if path.is_file() else ""
 
+    def wait_healthy(self) -> None:
+        """Block until the API answers; fails with the server's log if it exits or takes over `_START_TIMEOUT_S`."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise AssertionError(f"prefect server exited:\n{self.log('server.log')}")
+            time.sleep(0.5)
+        raise AssertionError(
+            f"prefect server did not become healthy in {_START_TIMEOUT_S} s:\n{self.log('server.log')}"
+        )
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -87,12 +103,15 @@ def start_server(
     *,
     ui: bool = False,
     extra_env: dict[str, str] | None = None,
+    wait: bool = True,
 ) -> Server:
     """Start `prefect server start` on a free port of 127.0.0.1 with its home in `home`; wait until healthy.
 
     Args:
         finalize: registers the teardown (pytest's `request.addfinalizer`).
         ui: also serve the UI (at the server's root URL); off by default, it only slows the start.
+        wait: False returns at once, so that the caller works while the server boots (10-60 s on a loaded
+            2-core machine) and calls `Server.wait_healthy` before its first request.
     """
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -117,17 +136,9 @@ def start_server(
     )
     finalize(lambda: stop(proc))
     server = Server(url, env, home, proc)
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise AssertionError(f"prefect server exited:\n{server.log('server.log')}")
-        time.sleep(0.5)
-    raise AssertionError(f"prefect server did not become healthy in {_START_TIMEOUT_S} s:\n{server.log('server.log')}")
+    if wait:
+        server.wait_healthy()
+    return server
 
 
 def start_worker(

@@ -37,6 +37,12 @@ VOCABS = {
     "phi-3": "phi3",
     "gemma-4": "gemma4_text",
 }
+# The `runs` fixture builds the checkpoints one by one and starts each run once its checkpoint is there: longest
+# run first, so that no run is left alone on the cores at the end. Measured with all six at once on 2 loaded
+# cores: gemma-4 (262k vocabulary, per-layer embeddings) ~280 s, the byte-level BPE ones 220-260 s, the
+# SentencePiece ones 160-185 s; started in VOCABS order, gemma-4 began last and ran alone for its last 50-80 s.
+_START_ORDER = ("gemma-4", "llama-bpe", "qwen35", "qwen2", "phi-3", "llama-spm")
+assert sorted(_START_ORDER) == sorted(VOCABS)
 # the llama.cpp vocabulary each must be written as: (tokenizer.ggml.model, tokenizer.ggml.pre)
 WRITTEN_AS = {
     "llama-bpe": ("gpt2", "llama-bpe"),
@@ -238,18 +244,17 @@ def test_validate_refuses_an_inexact_tokenizer_before_any_model_loads(tmp_path):
         f"name: t\nmodel: {{name_or_path: {model_dir}, device: cpu}}\ndata: {{path: {data}}}\n"
         f"output_dir: {tmp_path / 'out'}\nexport: {{gguf: [f16, q8_0]}}\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "slimtune.cli.main", "validate", str(spec)], capture_output=True, text=True, timeout=300
-    )
+    validate = [sys.executable, "-m", "slimtune.cli.main", "validate", str(spec)]
+    # Both at once: each spends most of its ~12 s importing, on one core of the two.
+    started = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for cmd in (validate, [*validate, "--set", "export.gguf_tokenizer=as_is"])
+    ]
+    outputs = [p.communicate(timeout=300) for p in started]
+    done, as_is = [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(started, outputs)]
     assert done.returncode == 2, done.stderr
     assert "export.gguf" in done.stderr and "identical ids" in done.stderr
     assert "export.gguf_tokenizer: as_is" in done.stderr and "Lowercase" in done.stderr
-    as_is = subprocess.run(
-        [sys.executable, "-m", "slimtune.cli.main", "validate", str(spec), "--set", "export.gguf_tokenizer=as_is"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
     assert as_is.returncode == 0, as_is.stderr
 
 
@@ -283,9 +288,10 @@ def runs(tmp_path_factory, request) -> dict[str, tuple[subprocess.CompletedProce
     from prefect_server import start_server
 
     root = tmp_path_factory.mktemp("real-vocab-runs")
-    server = start_server(root / "prefect", request.addfinalizer)
+    # The server boots while the first checkpoint is built (both ~25 s on a loaded 2-core machine).
+    server = start_server(root / "prefect", request.addfinalizer, wait=False)
     started = {}
-    for name in VOCABS:
+    for name in _START_ORDER:
         path, texts, _ = vocab(name)
         model_dir = _checkpoint(name, root / name / "model")
         data = root / name / "d.jsonl"
@@ -301,10 +307,15 @@ def runs(tmp_path_factory, request) -> dict[str, tuple[subprocess.CompletedProce
         cmd = [sys.executable, "-m", "slimtune.cli.main", "run", str(spec)]
         # each run its own GPU slot (SLIMTUNE_GPU_SLOT): CPU runs, which would otherwise take turns on the one slot
         env = {**server.env, "SLIMTUNE_GPU_SLOT": f"real-{name}"}
-        started[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if not started:
+            server.wait_healthy()
+        # output to files, not pipes: a run whose pipe fills (64 KiB) would stop until its turn to be read
+        with (root / name / "stdout").open("w") as out, (root / name / "stderr").open("w") as err:
+            started[name] = subprocess.Popen(cmd, env=env, stdout=out, stderr=err)
     done = {}
     for name, proc in started.items():
-        out, err = proc.communicate(timeout=1200)
+        proc.wait(timeout=1200)
+        out, err = ((root / name / stream).read_text(errors="replace") for stream in ("stdout", "stderr"))
         done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), root / "runs" / f"real-{name}")
     return done
 

@@ -27,13 +27,21 @@ _STAGES = ("train_step", "merge_write", "gguf_write")
 # Each flow-run process imports torch, transformers and Prefect (~20 s on a busy 2-core machine) before
 # it works; a chain of four runs of the tiny pipeline has taken ~3 minutes.
 _CHAIN_TIMEOUT_S = 420
+# The chain's runs hold a GPU slot of their own limit, with one slot per run: each killed run leaves its server
+# lease behind (nothing revokes it for 60 s, slimtune.flows.gpu_slots), and on one slot every later run waited for
+# it: 79-121 s in all of a 4.5-4.7 minute chain on 2 cores (23-60 s per run, longer the faster the run starts),
+# 1 s with a slot per run. Those waits are not what this chain is about; the lease's expiry and the host lock a
+# kill frees are tests/faults/test_gpu_slot_pause.py's and test_kill_cli.py's. The runs never overlap: each one
+# starts after the last has ended.
+_SLOT = "faults-kill-chain"
+_SLOTS = len(_STAGES) + 1
 
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory, request, reference_run):
     """Run the kill chain; returns the flow runs, the kill snapshots, the run dir and the logs."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, WorkPoolCreate
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.workers.process import ProcessWorker
@@ -48,7 +56,9 @@ def chain(tmp_path_factory, request, reference_run):
     # The worker's flow runs import kill_flow from this folder, and read the kill plan from the environment.
     pythonpath = os.pathsep.join([str(_HERE), str(_REPO), os.environ.get("PYTHONPATH", "")])
     server = start_server(
-        home, request.addfinalizer, extra_env={"PYTHONPATH": pythonpath, "SLIMTUNE_FAULT_PLAN": str(plan)}
+        home,
+        request.addfinalizer,
+        extra_env={"PYTHONPATH": pythonpath, "SLIMTUNE_FAULT_PLAN": str(plan), "SLIMTUNE_GPU_SLOT": _SLOT},
     )
     url = server.url
 
@@ -64,6 +74,7 @@ def chain(tmp_path_factory, request, reference_run):
                     name=_POOL, type="process", base_job_template=ProcessWorker.get_default_base_job_template()
                 )
             )
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=_SLOT, limit=_SLOTS))
         deployment_id = kill_flow.finetune.from_source(source=str(_HERE), entrypoint="kill_flow.py:finetune").deploy(
             name="faults", work_pool_name=_POOL, print_next_steps=False
         )

@@ -42,7 +42,10 @@ def _start(spec: Path, log: Path, env: dict[str, str]) -> subprocess.Popen:
 )
 def test_a_rerun_after_sigkill_gets_the_gpu_slot(tmp_path, observe):
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps(spec_dict(tmp_path / "out", train={"max_steps": 40, "save_steps": 2})))
+    # Enough steps that the first run is still training when the kill comes (it comes within 0.5 s of "step 3/";
+    # steps 4-12 with their checkpoints, then merge and GGUF, take over 10 s), and few enough that the re-run
+    # finishes soon: with 40 steps it trained 51 s of its 88 s after resuming (2 loaded cores).
+    spec.write_text(json.dumps(spec_dict(tmp_path / "out", train={"max_steps": 12, "save_steps": 2})))
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
