@@ -13,7 +13,7 @@ from tiny_flows import tiny_flow_spec
 
 from slimtune.checks.problems import spec_problems
 from slimtune.memory.estimate import estimate_load_4bit, estimate_train
-from slimtune.models.tiny import DATA_FILE
+from slimtune.models.tiny import DATA_FILE, save_tiny
 from slimtune.spec.schema import PipelineSpec
 
 # Qwen3-30B-A3B's config.json (the Hub's keys: num_experts, not transformers 5's num_local_experts)
@@ -92,6 +92,23 @@ def test_validate_refuses_what_the_nf4_experts_do_not_do_yet(tmp_path):
     assert fsdp.startswith("train.parallelism: fsdp does not shard a mixture-of-experts model's NF4 experts")
     [adapter] = _problems(tmp_path, export={"adapter_gguf": True})
     assert adapter.startswith("export.adapter_gguf: the LoRA GGUF of a mixture-of-experts model")
+
+
+def test_validate_refuses_pickle_weights_of_a_mixture_of_experts(tmp_path):
+    """load_4bit reads the experts from safetensors shards: a pickle-only checkpoint (allow_pickle) is named."""
+    import torch
+    from safetensors.torch import load_file
+
+    model_dir = save_tiny(tmp_path / "moe", "qwen3_moe")
+    [weights] = model_dir.glob("*.safetensors")
+    torch.save(load_file(weights), model_dir / "pytorch_model.bin")
+    weights.unlink()
+    [pickle] = _problems(tmp_path, model={"name_or_path": str(model_dir), "device": "cpu", "allow_pickle": True})
+    assert pickle == (
+        f"model.name_or_path: {model_dir} holds its weights in pickle files, and load_4bit reads a mixture-of-experts "
+        "model's experts from safetensors shards, one layer at a time; save the model as safetensors "
+        "(transformers' save_pretrained does by default)"
+    )
 
 
 def test_flow_trains_the_experts_merges_and_exports(prefect_harness, tmp_path):

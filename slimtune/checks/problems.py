@@ -79,8 +79,9 @@ def _stored_layers_problems(spec: PipelineSpec, model_dir: Path) -> list[str]:
 
 
 def _experts_problems(spec: PipelineSpec, model: torch.nn.Module) -> list[str]:
-    """What a mixture-of-experts model does not do yet: its experts are `NF4Experts`, which FSDP does not shard
-    and whose per-expert LoRA the adapter GGUF has no layout for."""
+    """What a mixture-of-experts model does not do yet: its experts are `NF4Experts`, which FSDP does not shard,
+    whose per-expert LoRA the adapter GGUF has no layout for, and which load from safetensors shards only."""
+    from slimtune.merge.safetensors_io import checkpoint_shards
     from slimtune.models.experts import EXPERT_CLASSES
 
     if not any(type(m).__name__ in EXPERT_CLASSES for m in model.modules()):
@@ -95,6 +96,13 @@ def _experts_problems(spec: PipelineSpec, model: torch.nn.Module) -> list[str]:
         problems.append(
             "export.adapter_gguf: the LoRA GGUF of a mixture-of-experts model's per-expert adapter is not written "
             "yet; set export.adapter_gguf: false (the merged GGUFs hold the adapter)"
+        )
+    model_dir = _local_model_dir(spec)
+    if model_dir is not None and not checkpoint_shards(model_dir):  # pickle weights, which allow_pickle let through
+        problems.append(
+            f"model.name_or_path: {model_dir} holds its weights in pickle files, and load_4bit reads a "
+            "mixture-of-experts model's experts from safetensors shards, one layer at a time; save the model "
+            "as safetensors (transformers' save_pretrained does by default)"
         )
     return problems
 
