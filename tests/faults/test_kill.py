@@ -94,13 +94,20 @@ def chain(tmp_path_factory, request, reference_run):
         with get_client(sync_client=True) as client:
             client.create_flow_run_from_deployment(deployment_id, parameters={"spec": spec_dict(out)})
             runs = wait(3)
-            time.sleep(3)  # a 4th run here would be a hook that ignored its bound
+            # The crash hook ends the chain saying "giving up" (~15 s after the last crash); a run submitted by then
+            # would be a hook that ignored its bound.
+            deadline = time.monotonic() + 120
+            while "giving up" not in logs() and time.monotonic() < deadline:
+                time.sleep(1)
+            assert "giving up" in logs(), logs()
             runs = wait(3)
+            assert len(runs) == 3, [r.name for r in runs]
             killed = {
                 p.name.split(".")[0].split("-", 1)[1]: json.loads(p.read_text()) for p in plan.glob("*.snapshot.json")
             }
             client.create_flow_run_from_deployment(deployment_id, parameters={"spec": spec_dict(out)})
             runs = wait(4)
+            assert len(runs) == 4, [r.name for r in runs]
     return {"runs": runs, "killed": killed, "run_dir": run_dir, "logs": logs(), "plan": plan}
 
 
