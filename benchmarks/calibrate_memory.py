@@ -219,7 +219,11 @@ def _e2e(
     import torch
 
     total = torch.cuda.mem_get_info()[1] if torch.cuda.is_initialized() else _device_total()
-    name = f"e2e-8b-{budget_gib:g}gib-mb{mb}" + ("-merge" if merge else "") + (f"-stored{stored}" * (stored != "auto"))
+    name = (
+        f"e2e-8b-{budget_gib:g}gib-mb{mb}"
+        + ("-merge" if merge else "")
+        + ("" if stored == "auto" else f"-stored{stored}")
+    )
     raw = _base_spec(root / "model-8b", root / "calib.jsonl", root / "runs", name)
     raw["lora"]["gradient_checkpointing"] = ckpt
     raw["train"].update(micro_batch_size=mb, max_steps=steps, stored_layers=stored)

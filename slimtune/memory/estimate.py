@@ -64,7 +64,7 @@ _HOST_TABLE_FRAGMENTATION = 0.25
 _OFFLOAD_IN_FLIGHT = 3
 # Share of the stored layers' freed blocks that the first recomputed layer reuses. On an H200, 8B at 16 x 2048 with
 # one stored layer (5.2 GiB of activations) and CUDA graphs held 22.47 GiB of the card, where full reuse estimated
-# 22.03: at most 0.91 of it was reused. At 0.75 each of the 8 stored-layer cells of
+# 22.03: at most 0.91 of it was reused. At 0.75 each of the 9 runs (7 with stored layers) of
 # benchmarks/results/memory/h200-2026-11-27-stored-layers{,-b}.json estimates within 1.0-1.15 x measured.
 _STORED_REUSED = 0.75
 _STORED_TERMS = ("activations (no checkpointing)", "activations of the stored layers", "checkpointed layer inputs")

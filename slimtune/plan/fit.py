@@ -183,22 +183,22 @@ def micro_batch_candidates(train) -> list[int]:
     return list(range(1, _MAX_MICRO_BATCH + 1))
 
 
-def auto_micro_batch(train, fits, spare_tokens: int | None = None) -> tuple[int, int, str]:
+def auto_micro_batch(train, fits, row_tokens: int | None = None) -> tuple[int, int, str]:
     """(micro_batch, accumulation, note) for `micro_batch_size: auto`: the largest divisor of the effective
     batch for which `fits(micro_batch)` holds; 1 when none does (the preflight then says why).
 
-    `spare_tokens`: the tokens of one row; the micro-batch then stops at the first divisor that reaches
-    `GPU_BOUND_TOKENS`, beyond which a larger one barely speeds a step: the memory it would take buys more speed
-    as stored layers (`train.stored_layers`)."""
+    `row_tokens`: the tokens of one row, given where layers can be stored; the micro-batch then stops at the first
+    divisor that reaches `GPU_BOUND_TOKENS`, beyond which a larger one barely speeds a step: the memory it would
+    take buys more speed as stored layers (`train.stored_layers`)."""
     n = train.effective_batch_size
     candidates = micro_batch_candidates(train)
-    if spare_tokens:
-        bound = next((d for d in candidates if d * spare_tokens >= GPU_BOUND_TOKENS), candidates[-1])
+    if row_tokens:
+        bound = next((d for d in candidates if d * row_tokens >= GPU_BOUND_TOKENS), candidates[-1])
         candidates = [d for d in candidates if d <= bound]
     best = largest_micro_batch(fits, candidates)
     mb = best or 1
     why = "the largest divisor whose estimate fits the budget"
-    if spare_tokens and best == candidates[-1] and candidates[-1] < n:
+    if row_tokens and best == candidates[-1] and candidates[-1] < n:
         why = f"the first divisor of {GPU_BOUND_TOKENS} tokens or more, the rest of the budget to stored layers"
     note = f"micro_batch_size auto: {mb} x {n // mb} accumulation (effective batch {n}); " + (
         why if best else "none fits the budget, trying 1"
