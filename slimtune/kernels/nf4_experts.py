@@ -326,20 +326,24 @@ class NF4Experts(nn.Module):
         return final_hidden_states
 
 
-def quantize_model_experts(model: nn.Module, compute_dtype: torch.dtype) -> int:
-    """Replace every supported experts module of `model` by `NF4Experts` in place; returns how many.
+def expert_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every transformers experts module of `model`, in layer order.
 
-    Dispatch is by class name, so neither transformers model module is imported here. There is no undo:
-    the dense weights are dropped as each layer is quantized (that is what keeps host memory bounded).
+    Dispatch is by class name, so neither transformers model module is imported here.
     """
-    targets = [
-        (parent, child_name, child)
-        for parent in model.modules()
-        for child_name, child in parent.named_children()
-        if type(child).__name__ in EXPERT_CLASSES
-    ]
-    for parent, child_name, child in targets:
-        setattr(parent, child_name, NF4Experts.from_experts(child, compute_dtype))
+    return [(name, m) for name, m in model.named_modules() if type(m).__name__ in EXPERT_CLASSES]
+
+
+def quantize_model_experts(model: nn.Module, compute_dtype: torch.dtype) -> int:
+    """Replace every experts module of a model already in memory by `NF4Experts` in place; returns how many.
+
+    load_4bit reads a checkpoint's experts from its shards instead (`slimtune.tasks.load_experts`); this is for models
+    built in memory (the tests'). There is no undo: the dense weights are dropped as each layer is quantized.
+    """
+    targets = expert_blocks(model)
+    for name, module in targets:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, NF4Experts.from_experts(module, compute_dtype))
     return len(targets)
 
 

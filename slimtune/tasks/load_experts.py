@@ -18,9 +18,9 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from slimtune.kernels.nf4_experts import NF4Experts
+from slimtune.kernels.nf4_experts import NF4Experts, expert_blocks
 from slimtune.merge.safetensors_io import TensorEntry, as_tensor, checkpoint_shards, read_entries, read_raw
-from slimtune.models.experts import EXPERT_CLASSES, HELD, per_expert_name
+from slimtune.models.experts import HELD, per_expert_name
 
 _Model = TypeVar("_Model", bound=nn.Module)
 
@@ -28,7 +28,7 @@ _Model = TypeVar("_Model", bound=nn.Module)
 def fused_names(model: nn.Module) -> set[str]:
     """The fused expert parameters (`<block>.gate_up_proj`, `<block>.down_proj`) that `load_nf4_experts` loads: the
     checkpoint keys `from_pretrained` reports as unexpected when the model was built by `without_dense_experts`."""
-    return {f"{block}.{projection}_proj" for block, _ in _expert_blocks(model) for projection in HELD}
+    return {f"{block}.{projection}_proj" for block, _ in expert_blocks(model) for projection in HELD}
 
 
 def without_dense_experts(cls: type[_Model]) -> type[_Model]:
@@ -41,7 +41,7 @@ def without_dense_experts(cls: type[_Model]) -> type[_Model]:
     class WithoutDenseExperts(cls):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            for _, module in _expert_blocks(self):
+            for _, module in expert_blocks(self):
                 for projection in HELD:
                     setattr(module, f"{projection}_proj", None)  # out of the state dict: nothing to load or place
                 module._is_hf_initialized = True  # else transformers' init of unloaded weights would fill these
@@ -68,7 +68,7 @@ def load_nf4_experts(
     Raises:
         FileNotFoundError: an expert matrix is in no safetensors shard of `model_dir` (checked before any is read).
     """
-    blocks = _expert_blocks(model)
+    blocks = expert_blocks(model)
     entries = {e.name: e for shard in checkpoint_shards(model_dir) for e in read_entries(shard)} if blocks else {}
     wanted = [_names(block, m.num_experts, held) for block, m in blocks for held in HELD.values()]
     missing = [name for names in wanted for row in names for name in row if name not in entries]
@@ -81,11 +81,6 @@ def load_nf4_experts(
         parent, _, child = block.rpartition(".")
         setattr(model.get_submodule(parent), child, _quantized_block(block, module, entries, dtype, device, on_dense))
     return len(blocks)
-
-
-def _expert_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every transformers experts module of `model`, in layer order."""
-    return [(name, m) for name, m in model.named_modules() if type(m).__name__ in EXPERT_CLASSES]
 
 
 def _quantized_block(
