@@ -117,7 +117,7 @@ def test_out_of_memory_in_a_worker_becomes_retriable(tmp_path):
         json.dumps({"rank": 1, "type": "OutOfMemoryError", "message": "CUDA out of memory", "oom": True})
     )
     with pytest.raises(torch.OutOfMemoryError, match="rank 1: OutOfMemoryError"):
-        ranks._raise_worker_error(tmp_path, 1, [])
+        ranks.raise_worker_error(tmp_path, 1, [])
 
 
 def test_the_rank_that_failed_first_is_the_one_reported(tmp_path):
@@ -131,7 +131,7 @@ def test_the_rank_that_failed_first_is_the_one_reported(tmp_path):
             json.dumps({"rank": rank, "type": kind, "message": message, "oom": False, "at": at})
         )
     with pytest.raises(RuntimeError, match=r"rank 1: DataError: data.path: bad row 7 \(then rank 0: RuntimeError\)$"):
-        ranks._raise_worker_error(tmp_path, 1, [])
+        ranks.raise_worker_error(tmp_path, 1, [])
 
 
 @pytest.mark.parametrize(

@@ -136,11 +136,16 @@ def test_run_form_schema_has_no_const_null_default_or_internal_field():
     nodes = list(_schema_nodes(schema))
     sections = schema["definitions"]
     push = sections["ExportSpec"]["properties"]["push"]
+    cluster = sections["TrainSpec"]["properties"]["cluster"]
     assert not [n for n in nodes if "const" in n]
-    # The one null branch: the optional Push section, a choice that starts at "Off" (not a half-filled section).
-    assert [n for n in nodes if n.get("type") == "null"] == [{"type": "null", "title": "Off"}]
+    # The null branches: the optional sections (Push, the Ray cluster), each a choice that starts at "Off" (not a
+    # half-filled section).
+    assert [n for n in nodes if n.get("type") == "null"] == [{"type": "null", "title": "Off"}] * 2
     assert push["default"] is None and push["anyOf"][0] == {"$ref": "#/definitions/PushSpec"}
-    assert [n for n in nodes if "default" in n and n["default"] is None] == [push]
+    assert cluster["default"] is None and cluster["anyOf"][0] == {"$ref": "#/definitions/ClusterSpec"}
+    assert sorted(map(str, (n for n in nodes if "default" in n and n["default"] is None))) == sorted(
+        map(str, (push, cluster))
+    )
     targets = sections["LoraSpec"]["properties"]["target_modules"]
     assert {"enum": ["all-linear"], "type": "string"} in targets["anyOf"]
     max_steps = sections["TrainSpec"]["properties"]["max_steps"]

@@ -1,8 +1,8 @@
 """`slimtune run`'s start-up: what the CLI and the flow import.
 
 The CLI module is imported by every command (`--help`, `init`, a spec error that exits 2), so it loads no ML
-library and no Prefect; the flow's imports load no plotting, tracker or llama.cpp module (those are imported
-where used).
+library and no Prefect; the flow's imports load no plotting, tracker, llama.cpp or Ray module (those are imported
+where used: Ray only for a `train.cluster` run).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 
-_FOREIGN = ("matplotlib", "mlflow", "llama_cpp", "tensorboard", "pandas", "datasets")
+_FOREIGN = ("matplotlib", "mlflow", "llama_cpp", "tensorboard", "pandas", "datasets", "ray")
 
 
 def _loaded(code: str, modules: tuple[str, ...]) -> list[str]:
@@ -25,5 +25,5 @@ def test_cli_module_imports_no_ml_library_or_prefect():
     assert _loaded("import slimtune.cli.main", heavy) == []
 
 
-def test_flow_imports_no_plotting_tracker_or_llama_cpp():
+def test_flow_imports_no_plotting_tracker_llama_cpp_or_ray():
     assert _loaded("import slimtune.flows", _FOREIGN) == []

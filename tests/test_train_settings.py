@@ -78,7 +78,7 @@ def test_the_flow_task_plan_attach_lora_and_the_ranks_decide_nothing_themselves(
         if module != "slimtune/flows/ranks.py":  # a rank trains with the flow's settings, passed in the job
             assert called.count("resolve_train") == 1, module
     # each rank's attach_lora resolves with the rank's own plan, and packed_sft gets the job's checkpointing as is
-    rank = _function(_tree("slimtune/flows/ranks.py"), "_train_rank")
+    rank = _function(_tree("slimtune/flows/ranks.py"), "train_rank")
     (attach,) = _calls_of(rank, "attach_lora")
     assert [a.id for a in attach.args if isinstance(a, ast.Name)] == ["spec", "plan"]
 

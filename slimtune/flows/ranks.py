@@ -1,4 +1,5 @@
-"""Where a stage runs: in the flow process (one GPU), or on `torchrun` ranks (`train.num_gpus > 1`).
+"""Where a stage runs: in the flow process (one GPU), on `torchrun` ranks (`train.num_gpus > 1`), or on Ray workers
+(`train.cluster`, `flows.ray_train`).
 
 This is the one place a run leaves the flow process, and the flow owns it (train/ knows nothing of tasks).
 DDP needs one process per GPU, and the flow process must stay one process (Prefect's task runs, the
@@ -12,6 +13,9 @@ report instead. Rank 0 alone writes checkpoints, the adapter and the reports (th
 
 `model.device: cpu` with `train.num_gpus: N` runs N CPU processes over gloo: the same code path,
 used by the CPU tests.
+
+Either launcher's output reaches the task's log line by line, and rank 0's progress lines (`ProgressEvents`)
+drive the task's progress artifact and loss curve (`ProgressRelay`), as a run in the flow process does.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 import torch
 
 from slimtune.spec.schema import PipelineSpec
+from slimtune.train.callbacks import PROGRESS_EVENT, ProgressEvents, stage_progress
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +49,21 @@ _TAIL_LINES = 40
 
 
 def run_stage(spec: PipelineSpec, stage: str, here: Callable[[], dict], **train_args: int | bool | str) -> dict:
-    """The one `num_gpus` branch: `here()` in this process for one GPU; on the ranks for several.
+    """The one branch on where training runs: `here()` in this process for one GPU; on the ranks otherwise.
 
-    With several GPUs, load_4bit and attach_lora are `deferred` (each rank does them itself) and
-    packed_sft `launch`es the ranks with `train_args` (micro_batch_size, gradient_accumulation_steps,
-    gradient_checkpointing).
+    With several GPUs or a cluster, load_4bit and attach_lora are `deferred` (each rank does them itself) and
+    packed_sft `launch`es the ranks (torchrun, or Ray for `train.cluster`) with `train_args` (micro_batch_size,
+    gradient_accumulation_steps, gradient_checkpointing).
     """
-    if spec.train.num_gpus == 1:
+    if spec.train.cluster is None and spec.train.num_gpus == 1:
         return here()
-    if stage == "packed_sft":
-        return launch(spec, **train_args)
-    return deferred(stage, spec)
+    if stage != "packed_sft":
+        return deferred(stage, spec)
+    if spec.train.cluster is not None:
+        from slimtune.flows.ray_train import launch_on_ray  # Ray is imported only for a cluster run
+
+        return launch_on_ray(spec, **train_args)
+    return launch(spec, **train_args)
 
 
 def deferred(stage: str, spec: PipelineSpec) -> dict:
@@ -63,10 +72,21 @@ def deferred(stage: str, spec: PipelineSpec) -> dict:
         "handle": None,
         "checkpointing_handle": None,
         "deferred_to": "packed_sft",
-        "reason": f"train.num_gpus={spec.train.num_gpus}: each of the {spec.train.num_gpus} "
-        f"{spec.train.parallelism.upper()} workers "
+        "reason": f"{_workers(spec)}: each of the {spec.train.world_size} {spec.train.parallelism.upper()} workers "
         f"runs {stage} on its own device; the flow process loads no model",
     }
+
+
+def _workers(spec: PipelineSpec) -> str:
+    cluster = spec.train.cluster
+    if cluster is None:
+        return f"train.num_gpus={spec.train.num_gpus}"
+    return f"train.cluster: {cluster.num_workers} Ray workers at {cluster.address}"
+
+
+def backend_of(spec: PipelineSpec) -> str:
+    """The torch.distributed backend of the ranks: gloo for CPU workers, nccl for GPUs."""
+    return "gloo" if spec.model.device == "cpu" else "nccl"
 
 
 def check_devices(spec: PipelineSpec) -> str:
@@ -80,7 +100,7 @@ def check_devices(spec: PipelineSpec) -> str:
             f"GPU backends); use train.parallelism: ddp to run the {n} workers on the CPU"
         )
     if device == "cpu":
-        return "gloo"
+        return backend_of(spec)
     if device.startswith("cuda:"):
         raise ValueError(
             f"model.device {device!r} with train.num_gpus {n}: DDP uses GPUs 0..{n - 1} of "
@@ -93,7 +113,7 @@ def check_devices(spec: PipelineSpec) -> str:
             f"train.num_gpus is {n} but {visible} GPU(s) are visible; lower train.num_gpus, "
             "or set model.device: cpu to run the workers on the CPU (tests)"
         )
-    return "nccl"
+    return backend_of(spec)
 
 
 def _worker_env(nproc: int) -> dict[str, str]:
@@ -143,16 +163,50 @@ def launch(
             str(job_dir),
         ]
         log.info("launching %d %s workers (%s): %s", nproc, spec.train.parallelism.upper(), backend, " ".join(cmd))
-        returncode, tail = _run(cmd, _worker_env(nproc))
+        returncode, tail = run_relayed(cmd, _worker_env(nproc), ProgressRelay(spec.name))
         result = job_dir / RESULT_FILE
         if returncode == 0 and result.is_file():
             return json.loads(result.read_text(encoding="utf-8"))
-        _raise_worker_error(job_dir, returncode, tail)
-    raise AssertionError("unreachable")  # _raise_worker_error always raises
+        raise_worker_error(job_dir, returncode, tail)
+    raise AssertionError("unreachable")  # raise_worker_error always raises
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
-    """Run torchrun, relaying its output to this task's log; end the whole group if this task is stopped."""
+class ProgressRelay:
+    """Replays rank 0's progress lines (`ProgressEvents`) into this task's progress artifact and loss curve."""
+
+    def __init__(self, run_name: str) -> None:
+        self.progress = stage_progress(run_name)
+
+    def feed(self, line: str) -> bool:
+        """Whether `line` was a progress line (replayed, not logged)."""
+        at = line.find(PROGRESS_EVENT)
+        if at < 0:
+            return False
+        try:
+            event = json.loads(line[at + len(PROGRESS_EVENT) :])
+        except ValueError:  # cut or interleaved by the launcher: the next line brings the figures again
+            return False
+        from transformers import TrainerControl, TrainerState
+
+        state = TrainerState(
+            global_step=event["step"], max_steps=event["max_steps"], log_history=event.get("history", [])
+        )
+        kind, progress = event["event"], self.progress
+        if kind == "begin":
+            progress.on_train_begin(None, state, TrainerControl())
+        elif kind == "step":
+            progress.on_step_end(None, state, TrainerControl(should_log=event["should_log"]))
+        elif kind == "log":
+            progress.on_log(None, state, TrainerControl(), logs=event["logs"])
+        elif kind == "end":
+            progress.on_train_end(None, state, TrainerControl())
+        return True
+
+
+def run_relayed(cmd: list[str], env: dict[str, str], relay: ProgressRelay) -> tuple[int, list[str]]:
+    """Run a launcher (torchrun, the Ray driver), relaying its output to this task's log and its progress lines to
+    `relay`; end the launcher's whole process group if this task is stopped. Returns the exit code and the last
+    lines of output."""
     tail: deque[str] = deque(maxlen=_TAIL_LINES)
     proc = subprocess.Popen(
         cmd,
@@ -167,6 +221,8 @@ def _run(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip()
+            if relay.feed(line):
+                continue
             tail.append(line)
             log.info("%s", line)
         return proc.wait(), list(tail)
@@ -180,7 +236,7 @@ def _run(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
                 proc.wait()
 
 
-def _raise_worker_error(job_dir: Path, returncode: int, tail: list[str]) -> None:
+def raise_worker_error(job_dir: Path, returncode: int, tail: list[str], launcher: str = "torchrun") -> None:
     """Raise the error of the rank that failed first: when one rank dies, the others fail next with gloo's or
     NCCL's "connection closed by peer", which says nothing of the cause."""
     errors = [json.loads(p.read_text(encoding="utf-8")) for p in job_dir.glob("error-rank*.json")]
@@ -188,10 +244,11 @@ def _raise_worker_error(job_dir: Path, returncode: int, tail: list[str]) -> None
     first = errors[0] if errors else None
     if first:
         others = ", ".join(f"rank {e['rank']}: {e['type']}" for e in errors[1:])
-        where = f"rank {first['rank']}: {first['type']}: {first['message']}" + (f" (then {others})" if others else "")
-    else:  # killed without a word (a signal, the OOM killer): torchrun's own summary names the rank and signal
+        who = f"rank {first['rank']}" if first["rank"] >= 0 else launcher  # -1: the launcher's own failure
+        where = f"{who}: {first['type']}: {first['message']}" + (f" (then {others})" if others else "")
+    else:  # killed without a word (a signal, the OOM killer): the launcher's own summary names the rank and signal
         where = "\n".join(tail[-15:])
-    message = f"DDP training failed (torchrun exit code {returncode}); {where}"
+    message = f"DDP training failed ({launcher} exit code {returncode}); {where}"
     if any(e["oom"] for e in errors):
         raise torch.OutOfMemoryError(message)
     raise RuntimeError(message)
@@ -201,8 +258,9 @@ def _rank_env() -> tuple[int, int, int]:
     return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def _train_rank(job: dict, local_rank: int) -> dict:
-    """Load, attach and train on this rank's device; returns this rank's TrainReport as a dict."""
+def train_rank(job: dict, device_index: int, callbacks: list | None = None) -> dict:
+    """Load, attach and train on this rank's device (GPU `device_index` under nccl); returns this rank's TrainReport
+    as a dict. `callbacks`: Trainer callbacks beside `ProgressEvents` (Ray's checkpoint reports)."""
     from slimtune.memory.guard import guarded
     from slimtune.plan.run_plan import resolve_plan
     from slimtune.tasks.attach_lora import attach_lora
@@ -211,8 +269,8 @@ def _train_rank(job: dict, local_rank: int) -> dict:
 
     spec = PipelineSpec.model_validate(job["spec"])
     if job["backend"] == "nccl":
-        torch.cuda.set_device(local_rank)
-        spec.model.device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device_index)
+        spec.model.device = f"cuda:{device_index}"
     plan = resolve_plan(spec)  # once per rank: its own device, the flow's model folder (already resolved there)
     # Each rank runs under the spec's budget (the allocator cap, on this rank's GPU) and records its own peak:
     # the flow process's guard sees none of the ranks' allocations.
@@ -230,6 +288,7 @@ def _train_rank(job: dict, local_rank: int) -> dict:
             gradient_accumulation_steps=job["gradient_accumulation_steps"],
             gradient_checkpointing=job["gradient_checkpointing"],
             plan=plan,
+            callbacks=[ProgressEvents(), *(callbacks or [])],
         )
     memory = {
         "budget": record.budget,
@@ -238,6 +297,31 @@ def _train_rank(job: dict, local_rank: int) -> dict:
         "peak_host_rss": record.peak_host_rss,
     }
     return {**asdict(report), "memory": memory}
+
+
+def gather_ranks(report: dict, rank: int, world: int, backend: str) -> dict:
+    """Rank 0's report with every rank's throughput, losses and memory for the scaling report (a collective: every
+    rank calls it; Trainer has set up the process group). `rank_losses`: this rank's share of each logged loss;
+    the logged loss is their mean (see the trainer)."""
+    import torch.distributed as dist
+
+    mine = {
+        "rank": rank,
+        "tokens_per_s": report["tokens_per_s"],
+        "tokens_seen": report["tokens_seen"],
+        "losses": report["rank_losses"],
+        "memory": report.pop("memory"),
+    }
+    ranks: list = [None] * world
+    dist.all_gather_object(ranks, mine)
+    # flat keys: the run report renders them as rows of the packed_sft table
+    return {
+        **report,
+        "world_size": world,
+        "backend": backend,
+        "ranks": ranks,
+        "tokens_per_s_all_ranks": sum(r["tokens_per_s"] for r in ranks),
+    }
 
 
 def _budget(spec: PipelineSpec) -> float | None:
@@ -271,25 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
     try:
         job = json.loads((job_dir / "job.json").read_text(encoding="utf-8"))
-        report = _train_rank(job, local_rank)
-        # Trainer has set up the process group; gather every rank's throughput for the scaling report.
-        # `rank_losses`: this rank's share of each logged loss; the logged loss is their mean (see the trainer).
-        mine = {
-            "rank": rank,
-            "tokens_per_s": report["tokens_per_s"],
-            "tokens_seen": report["tokens_seen"],
-            "losses": report["rank_losses"],
-            "memory": report.pop("memory"),
-        }
-        ranks: list = [None] * world
-        dist.all_gather_object(ranks, mine)
-        if rank == 0:  # flat keys: the run report renders them as rows of the packed_sft table
-            report.update(
-                world_size=world,
-                backend=job["backend"],
-                ranks=ranks,
-                tokens_per_s_all_ranks=sum(r["tokens_per_s"] for r in ranks),
-            )
+        report = gather_ranks(train_rank(job, local_rank), rank, world, job["backend"])
+        if rank == 0:
             atomic.write_json(job_dir / RESULT_FILE, report)
         _leave_together(rank)
     except BaseException as e:

@@ -167,7 +167,7 @@ def train_estimate(
         kernels=run_kernels(spec.train, device_type, cfg.get("model_type")),
         compute_dtype_bytes=dtype_bytes,
         on_gpu=device_type == "cuda",
-        shard_ranks=spec.train.num_gpus if spec.train.sharded else 1,  # per rank
+        shard_ranks=spec.train.world_size if spec.train.sharded else 1,  # per rank
         varlen_attention=varlen_expected(cfg, device_type, spec.data.packing),
         cuda_graphs=cuda_graphs,
         stored_layers=stored_layers,

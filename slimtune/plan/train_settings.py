@@ -23,7 +23,7 @@ from slimtune.train.step.attention import varlen_expected
 
 # DDP and FSDP want every parameter on the rank's GPU (they check device types and broadcast or shard them
 # at wrap time); the guard's estimate for a multi-GPU run leaves these kernels out too.
-MULTI_GPU_EXCLUDED_KERNELS = {"host_embedding": "train.num_gpus > 1: DDP/FSDP keep every parameter on the rank's GPU"}
+MULTI_GPU_EXCLUDED_KERNELS = {"host_embedding": "several ranks: DDP/FSDP keep every parameter on the rank's GPU"}
 # FSDP1 (flat parameters) replaces each weight by a plain view of its unit's flat parameter, valid only while
 # that unit computes: lora_nf4 reads `base_layer.weight.quant_state` (gone from the view; bitsandbytes' own
 # forward restores it from the module) and the LoRA weights, which are FSDP units of their own, from the
@@ -39,7 +39,7 @@ def excluded_kernels(train: TrainSpec) -> dict[str, str]:
     """Kernels this run leaves out, with why (attach_lora applies, the estimate assumes the same)."""
     if train.sharded:
         return FSDP_EXCLUDED_KERNELS
-    return MULTI_GPU_EXCLUDED_KERNELS if train.num_gpus > 1 else {}
+    return MULTI_GPU_EXCLUDED_KERNELS if train.world_size > 1 else {}
 
 
 def run_kernels(train: TrainSpec, device_type: str, model_type: str | None) -> list[str]:
@@ -124,7 +124,7 @@ def resolve_train(
     if micro_batch == "auto":
         # memory beyond a GPU-bound micro-batch goes to stored layers where they can take it
         to_stored = (
-            device_type == "cuda" and train.stored_layers == "auto" and train.num_gpus == 1 and ckpt is not False
+            device_type == "cuda" and train.stored_layers == "auto" and train.world_size == 1 and ckpt is not False
         )
         micro_batch, grad_accum, auto_note = auto_micro_batch(
             train,
@@ -185,7 +185,7 @@ def _stored_layers(
         return spec.train.stored_layers, None
     if device_type != "cuda":
         return 0, "auto: 0 on the CPU, where activations take host memory that no budget holds"
-    if spec.train.num_gpus > 1:
+    if spec.train.world_size > 1:
         return 0, "auto: 0 on several GPUs (every rank recomputes each layer)"
     layers = model_shape(cfg).layers
     if fits(estimate(stored_layers=layers)):  # no layer recomputed: no graphs either

@@ -8,6 +8,7 @@ problem naming the field, the bad value and what is allowed (`SpecError`).
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -259,6 +260,51 @@ class DataSpec(_Section):
         return [s.path for s in self.sources] if self.sources else [self.path]
 
 
+class ClusterSpec(_Section):
+    """Training on a Ray cluster (several machines): Ray Train's TorchTrainer runs the ranks (`slimtune[ray]`)."""
+
+    model_config = ConfigDict(title="Ray cluster")  # the run form's name for the choice beside "Off"
+
+    engine: Literal["ray"] = Field("ray", description="The distributed engine that gangs the workers: Ray Train.")
+    address: str = Field(
+        "auto",
+        description="The Ray cluster: auto (RAY_ADDRESS, else the cluster started on this machine with "
+        "`ray start`), host:port of its head (GCS), or ray://host:port (Ray Client).",
+    )
+    num_workers: int = Field(2, ge=1, le=1024, description="Training processes (ranks), one per GPU, on any nodes.")
+    gpus_per_worker: int = Field(
+        1,
+        ge=0,
+        le=1,
+        description="GPUs each worker reserves: 1 (one rank per GPU; 2 nodes of 8 GPUs are num_workers: 16), or "
+        "0 for CPU workers (model.device: cpu, gloo; tests).",
+    )
+    storage_path: str | None = Field(
+        None,
+        description="Where Ray keeps the run's checkpoints and result (a folder every node and this machine "
+        "reach, e.g. NFS, or s3://...); default: the run directory's ray/ folder.",
+    )
+    max_failures: int = Field(
+        2,
+        ge=0,
+        le=100,
+        description="Worker-group restarts after a worker or node dies; each resumes from the last checkpoint.",
+    )
+
+    @model_validator(mode="after")
+    def _installed(self) -> ClusterSpec:
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError("train.cluster needs Ray Train: pip install 'slimtune[ray]'")
+        return self
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        if v != "auto" and not re.fullmatch(r"(ray://)?[A-Za-z0-9.\-\[\]:]+:\d{1,5}", v):
+            raise ValueError(f"{v!r} is not auto, host:port or ray://host:port")
+        return v
+
+
 class TrainSpec(_Section):
     """The training loop."""
 
@@ -314,6 +360,11 @@ class TrainSpec(_Section):
         "recomputes (least memory).",
     )
     num_gpus: int = Field(1, ge=1, le=64, description="Data-parallel GPUs on this host (torchrun).")
+    cluster: ClusterSpec | None = Field(
+        None,
+        description="Train on a Ray cluster instead of this host (several machines): the ranks are Ray workers. "
+        "Load, merge and GGUF stay on this machine.",
+    )
     parallelism: Literal["ddp", "fsdp"] = Field(
         "ddp",
         description="How num_gpus > 1 share the model: ddp = a whole NF4 copy per GPU, only LoRA gradients "
@@ -328,9 +379,28 @@ class TrainSpec(_Section):
     )
 
     @property
+    def world_size(self) -> int:
+        """How many ranks train: the Ray workers of `cluster`, else `num_gpus` torchrun ranks on this host."""
+        return self.cluster.num_workers if self.cluster else self.num_gpus
+
+    @property
     def sharded(self) -> bool:
-        """FSDP-QLoRA: `parallelism: fsdp` on more than one GPU (one GPU trains unsharded whatever it says)."""
-        return self.num_gpus > 1 and self.parallelism == "fsdp"
+        """FSDP-QLoRA: `parallelism: fsdp` on more than one rank (one rank trains unsharded whatever it says)."""
+        return self.world_size > 1 and self.parallelism == "fsdp"
+
+    @model_validator(mode="after")
+    def _cluster(self) -> TrainSpec:
+        if self.cluster and self.num_gpus > 1:
+            raise ValueError(
+                f"train.num_gpus is {self.num_gpus} with train.cluster: on a cluster the ranks are "
+                f"train.cluster.num_workers ({self.cluster.num_workers}); remove train.num_gpus"
+            )
+        if self.cluster and self.micro_batch_size == "auto":
+            raise ValueError(
+                "train.micro_batch_size auto with train.cluster: auto measures this machine's GPU, not the "
+                "cluster's; set a number (slimtune plan on a machine with the workers' GPU shows what fits)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fsdp(self) -> TrainSpec:
@@ -354,9 +424,9 @@ class TrainSpec(_Section):
         v = self.stored_layers
         if v != "auto" and v < 0:
             raise ValueError(f"train.stored_layers is {v}: it must be 0 or more (at most the model's layers), or auto")
-        if v not in ("auto", 0) and self.num_gpus > 1:
+        if v not in ("auto", 0) and self.world_size > 1:
             raise ValueError(
-                f"train.stored_layers is {v} with train.num_gpus {self.num_gpus}: layers keep their activations "
+                f"train.stored_layers is {v} with {self.world_size} ranks: layers keep their activations "
                 "on one GPU only (every rank recomputes each layer); use auto or 0"
             )
         return self
@@ -557,6 +627,17 @@ class PipelineSpec(_Section):
             raise ValueError(
                 "eval.prompts and export.adapter_gguf need merge.enabled: true (they compare with the merged "
                 "model); enable the merge or remove them"
+            )
+        cluster = self.train.cluster
+        if cluster and (self.model.device == "cpu") != (cluster.gpus_per_worker == 0):
+            raise ValueError(
+                f"train.cluster.gpus_per_worker {cluster.gpus_per_worker} with model.device {self.model.device}: "
+                "CPU workers (gpus_per_worker: 0) go with model.device: cpu, GPU workers (1) with auto"
+            )
+        if cluster and self.model.device.startswith("cuda:"):
+            raise ValueError(
+                f"model.device {self.model.device} with train.cluster: Ray gives each worker its GPU; "
+                "set model.device: auto"
             )
         if self.train.precision == "fp16" and self.model.compute_dtype == "bfloat16":
             raise ValueError(

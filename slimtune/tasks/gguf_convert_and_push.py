@@ -91,7 +91,7 @@ def card_hyperparameters(spec: PipelineSpec, trained: Mapping[str, Any], compute
     micro_batch = trained.get("micro_batch_size") or train.micro_batch_size
     accumulation = trained.get("gradient_accumulation_steps") or train.gradient_accumulation_steps
     length = {"training_steps": train.max_steps} if train.max_steps else {"num_epochs": train.epochs}
-    total = micro_batch * accumulation * train.num_gpus if isinstance(micro_batch, int) else None
+    total = micro_batch * accumulation * train.world_size if isinstance(micro_batch, int) else None
     quant = TRAINING_NF4
     return {
         "learning_rate": train.learning_rate,
@@ -102,7 +102,7 @@ def card_hyperparameters(spec: PipelineSpec, trained: Mapping[str, Any], compute
         "train_batch_size": micro_batch,
         "gradient_accumulation_steps": accumulation,
         "total_train_batch_size": total,
-        "num_devices": train.num_gpus,
+        "num_devices": train.world_size,
         "optimizer": trained.get("optimizer") or train.optimizer,
         "weight_decay": train.weight_decay,
         "max_grad_norm": train.max_grad_norm,

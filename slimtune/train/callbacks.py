@@ -8,6 +8,7 @@ each one artifact per run updated in place (`slimtune.report.artifacts`).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -15,8 +16,16 @@ import psutil
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from slimtune.report.artifacts import artifact_key, in_run, publish_progress
-from slimtune.report.charts import loss_curve_png, publish_image
+from slimtune.report.artifacts import (
+    artifact_key,
+    in_run,
+    progress_key,
+    publish_progress,
+    run_key,
+    stage_span,
+    stage_title,
+)
+from slimtune.report.charts import LOSS_CURVE_KIND, loss_curve_png, publish_image
 from slimtune.train.terminal import STEP_RECORD
 
 log = logging.getLogger("slimtune.train")
@@ -206,6 +215,51 @@ class PrefectProgressCallback(TrainerCallback):
         """Training's percent placed in its share of the run's bar."""
         low, high = self.span
         return low + (high - low) * self._percent(state) / 100.0
+
+
+def stage_progress(run_name: str) -> PrefectProgressCallback:
+    """The packed_sft stage's progress artifact and loss curve of run `run_name` (the run directory's name)."""
+    return PrefectProgressCallback(
+        key=progress_key(run_name),
+        curve_key=run_key(run_name, LOSS_CURVE_KIND),
+        title=stage_title("packed_sft"),
+        span=stage_span("packed_sft"),
+    )
+
+
+# Marks rank 0's progress lines on its output, wherever a launcher puts them in the line (Ray prefixes the worker).
+PROGRESS_EVENT = "slimtune-progress "
+
+
+class ProgressEvents(TrainerCallback):
+    """Rank 0's training progress as lines on stdout, for the flow process that launched the ranks (torchrun, Ray).
+
+    The ranks are not Prefect task runs; the task that launched them reads these lines from their output and
+    replays them into its own `stage_progress` callback (`flows.ranks.ProgressRelay`), so a run on several GPUs
+    or machines shows the same progress artifact and loss curve as a run on one.
+    """
+
+    def _emit(self, state: TrainerState, event: str, **fields: object) -> None:
+        if state.is_world_process_zero:
+            line = {"event": event, "step": state.global_step, "max_steps": state.max_steps, **fields}
+            print(PROGRESS_EVENT + json.dumps(line), flush=True)
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        # what a resumed run has logged before: the curve starts from it
+        history = [e for e in state.log_history if "loss" in e or "eval_loss" in e]
+        self._emit(state, "begin", history=history)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        self._emit(state, "step", should_log=bool(control.should_log))
+
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict | None = None, **kwargs
+    ) -> None:
+        numbers = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
+        self._emit(state, "log", logs=numbers)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        self._emit(state, "end")
 
 
 def duration(seconds: float) -> str:

@@ -33,13 +33,11 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from slimtune.core import atomic
 from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
 from slimtune.inference.evaluate import perplexity
-from slimtune.report.artifacts import progress_key, run_key, stage_span, stage_title
-from slimtune.report.charts import LOSS_CURVE_KIND
 from slimtune.spec.schema import DataSpec, TrainSpec
 from slimtune.train import checkpoints
 from slimtune.train.adapter_io import add_expert_lora, save_adapter
 from slimtune.train.arguments import ddp_bucket_cap_mb, training_arguments
-from slimtune.train.callbacks import LogCallback, PrefectProgressCallback, run_logger
+from slimtune.train.callbacks import LogCallback, run_logger, stage_progress
 from slimtune.train.options import choose_batching, model_device, resolve_optimizer, resolve_precision
 from slimtune.train.result import REPORT_FILE, TrainReport, read_report, run_identity
 from slimtune.train.resume import (
@@ -302,13 +300,7 @@ def train_adapter(
             data_collator=collator,
             callbacks=[
                 LogCallback(),
-                PrefectProgressCallback(
-                    key=progress_key(run_dir.name),
-                    curve_key=run_key(run_dir.name, LOSS_CURVE_KIND),
-                    title=stage_title("packed_sft"),
-                    span=stage_span("packed_sft"),
-                ),
-                *(callbacks or []),
+                stage_progress(run_dir.name),
             ],
             checkpoint_state={
                 "fingerprint": fingerprint,
@@ -337,6 +329,8 @@ def train_adapter(
         trainer.args.eval_on_start = resume_from is None and bool(eval_rows)
         trainer.add_callback(_EvalBefore(trainer))
         trainer.add_callback(_PublishCheckpoint(trainer, ckpt_root))
+        for callback in callbacks or []:  # after the publishing: their on_save finds the checkpoint in place
+            trainer.add_callback(callback)
         began = trainer.began = time.perf_counter()
         trainer.seconds_before = seconds_before
         graphs_note, stored = None, 0
