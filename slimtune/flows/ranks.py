@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 
 from slimtune.spec.schema import PipelineSpec
-from slimtune.train.callbacks import PROGRESS_EVENT, ProgressEvents, stage_progress
+from slimtune.train.callbacks import PROGRESS_EVENT, ProgressEvents, run_logger, stage_progress
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,10 @@ RESULT_FILE = "result.json"
 _DONE_KEY = "slimtune/rank0-done"
 # Lines of the workers' output kept for the error message of a failed launch.
 _TAIL_LINES = 40
+# The ranks' own log lines (`main`'s and the Ray worker's format) go to the task's run log, as a one-GPU run's do;
+# the launcher's (torchrun's, Ray's) to this module's logger. Ray colours its prefixes.
+_RANK_LINE = "[rank "
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def run_stage(spec: PipelineSpec, stage: str, here: Callable[[], dict], **train_args: int | bool | str) -> dict:
@@ -220,11 +225,11 @@ def run_relayed(cmd: list[str], env: dict[str, str], relay: ProgressRelay) -> tu
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            line = line.rstrip()
+            line = _COLOUR.sub("", line.rstrip())
             if relay.feed(line):
                 continue
             tail.append(line)
-            log.info("%s", line)
+            (run_logger() if _RANK_LINE in line else log).info("%s", line)
         return proc.wait(), list(tail)
     finally:
         if proc.poll() is None:  # cancelled or crashed mid-training: no orphaned ranks holding GPUs

@@ -161,7 +161,9 @@ def packed_sft_task(
         )
         return {**asdict(report), "micro_batch_auto": train.auto_note, "stored_layers_auto": train.stored_note}
 
-    with _guard("packed_sft", spec, plan, train.estimate, train.downshift_notes):
+    # a cluster's ranks run on other machines: this machine's GPU is no measure of whether they fit
+    estimate = None if spec.train.cluster else train.estimate
+    with _guard("packed_sft", spec, plan, estimate, train.downshift_notes):
         return ranks.run_stage(spec, "packed_sft", here, **batch)
 
 
