@@ -11,18 +11,33 @@
 # Why two folders: the device tool carries at most 64 MiB per call (working tree included).
 #   .whl/          bitsandbytes (trimmed), prefect + its missing deps, gguf, pydantic, liger-kernel
 #   .whl-unsloth/  unsloth (trimmed), unsloth_zoo, trl, datasets and their missing deps; needs .whl too
-# Both folders must be git-ignored, or they travel as untracked files on every device call.
+#   .whl-ray/      (--ray) ray 2.60.0 trimmed and recompressed for train.cluster, and tensorboardX; needs .whl too
+# All folders must be git-ignored, or they travel as untracked files on every device call.
 #
-# Usage: bash benchmarks/prepare_wheels.sh [--no-unsloth]
-#   env: WHEELS_DIR (default .whl), UNSLOTH_WHEELS_DIR (default .whl-unsloth), PYTHON (default python3)
+# Usage: bash benchmarks/prepare_wheels.sh [--no-unsloth] [--ray | --ray-only]
+#   --ray       also write RAY_WHEELS_DIR; --ray-only writes only that folder
+#   RAY_TAR=1   RAY_WHEELS_DIR holds ray-site.tar.xz instead of wheels: both installed for CPython $PY_TAG (17.0 MiB
+#               against 25.0 MiB of wheels; .whl + the wheels exceed what a call carries). On the device:
+#               mkdir -p /tmp/ray-site && tar -xJf .whl-ray/ray-site.tar.xz -C /tmp/ray-site, then PYTHONPATH
+#   env: WHEELS_DIR (default .whl), UNSLOTH_WHEELS_DIR (default .whl-unsloth), RAY_WHEELS_DIR (default .whl-ray),
+#        PYTHON (default python3), PY_TAG (default 312: the device's CPython; 311 fetches this machine's, to test)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 WHEELS_DIR=${WHEELS_DIR:-.whl}
 UNSLOTH_WHEELS_DIR=${UNSLOTH_WHEELS_DIR:-.whl-unsloth}
+RAY_WHEELS_DIR=${RAY_WHEELS_DIR:-.whl-ray}
 PYTHON=${PYTHON:-python3}
-WITH_UNSLOTH=1
-[[ "${1:-}" == "--no-unsloth" ]] && WITH_UNSLOTH=0
+PY_TAG=${PY_TAG:-312}
+WITH_BASE=1 WITH_UNSLOTH=1 WITH_RAY=0
+for arg in "$@"; do
+  case $arg in
+    --no-unsloth) WITH_UNSLOTH=0 ;;
+    --ray) WITH_RAY=1 ;;
+    --ray-only) WITH_RAY=1 WITH_BASE=0 WITH_UNSLOTH=0 ;;
+    *) echo "prepare_wheels: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
 
 # The tags the GPU machine's pip accepts for CPython 3.12 on x86_64 (glibc 2.39); pip matches each exactly.
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
@@ -55,11 +70,17 @@ UNSLOTH_PKGS=(
   unsloth==2026.10.9 unsloth-zoo==2026.10.9 trl==1.15.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19
   cut-cross-entropy==25.1.1 tyro==1.0.17 typeguard==4.6.0 msgspec==0.22.0 nest-asyncio==1.6.0
 )
+# ray[train] 2.60.0 (the lock's pin) for train.cluster. Of its Requires-Dist (click, filelock, jsonschema, msgpack,
+# packaging, protobuf, pyyaml, requests; train extra: pandas, tensorboardX, pyarrow, fsspec, pydantic) the image
+# has all but jsonschema (in .whl, with referencing, rpds-py, jsonschema-specifications; attrs is in the image),
+# pydantic (in .whl) and tensorboardX (here; only Tune's TensorBoard logger imports it). Not the "default" extra:
+# train.cluster starts Ray with include_dashboard=False.
+RAY_PKGS=(ray==2.60.0 tensorboardX==2.6.5)
 
 _download() {  # _download DIR PKG...
   local dir=$1; shift
-  local args=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3
-              --abi none -d "$dir")
+  local args=(--no-deps --only-binary=:all: --python-version "3.${PY_TAG#3}" --implementation cp --abi "cp$PY_TAG"
+              --abi abi3 --abi none -d "$dir")
   for p in "${PLATFORMS[@]}" any; do args+=(--platform "$p"); done
   mkdir -p "$dir"
   "$PYTHON" -m pip download -q "${args[@]}" "$@" 2>&1 | grep -v "^WARNING: Location" || true
@@ -95,6 +116,51 @@ print(f"trimmed {os.path.basename(path)}: dropped {dropped} files, now {os.path.
 EOF
 }
 
+_slim() {  # _slim WHEEL REGEX: rebuild WHEEL without members matching REGEX, ELF files stripped, LZMA-compressed
+  "$PYTHON" - "$1" "$2" <<'EOF'
+import base64, hashlib, os, re, shutil, subprocess, sys, tempfile, zipfile
+
+path, pattern = sys.argv[1], re.compile(sys.argv[2])
+strip = shutil.which("strip")
+tmp = path + ".tmp"
+kept, new_hash = [], {}
+with zipfile.ZipFile(path) as src:
+    for info in src.infolist():
+        if pattern.search(info.filename):
+            continue
+        data = src.read(info)
+        # Debug symbols are a third of ray's three binaries (raylet, gcs_server, _raylet.so: 119 MB -> 84 MB);
+        # --strip-unneeded keeps the dynamic symbols that loading and linking use. A crash's stack trace loses names.
+        if strip and data[:4] == b"\x7fELF":
+            with tempfile.NamedTemporaryFile(delete=False) as f:
+                f.write(data)
+            subprocess.run([strip, "--strip-unneeded", f.name], check=True)
+            with open(f.name, "rb") as f:
+                data = f.read()
+            os.unlink(f.name)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            new_hash[info.filename] = f"sha256={digest},{len(data)}"
+        kept.append((info, data))
+with zipfile.ZipFile(tmp, "w") as dst:
+    for info, data in kept:
+        if info.filename.endswith(".dist-info/RECORD"):
+            # pip checks no hash on install but rewrites RECORD; a line for a missing file would make uninstall fail.
+            lines = []
+            for line in data.decode().splitlines(keepends=True):
+                name = line.split(",", 1)[0]
+                if not pattern.search(name):
+                    lines.append(f"{name},{new_hash[name]}\n" if name in new_hash else line)
+            data = "".join(lines).encode()
+        # LZMA members: pip unpacks wheels with zipfile, which reads them, and the binaries shrink by a further
+        # 30% over deflate. Not for an index: other installers may accept only deflate.
+        info.compress_type = zipfile.ZIP_LZMA
+        dst.writestr(info, data)
+os.replace(tmp, path)
+print(f"slimmed {os.path.basename(path)}: kept {len(kept)} files ({len(new_hash)} ELF stripped), "
+      f"now {os.path.getsize(path) / 2**20:.1f} MiB")
+EOF
+}
+
 _check_ignored() {  # a wheel folder inside the repo must be git-ignored, or it travels on every call
   local dir=$1
   [[ $dir == /* ]] && return 0  # an absolute path is taken to be outside the repo
@@ -107,13 +173,16 @@ _check_ignored() {  # a wheel folder inside the repo must be git-ignored, or it 
 
 _size() { du -sb "$1" | awk '{printf "%.1f MiB", $1 / 1048576}'; }
 
-_check_ignored "$WHEELS_DIR"
+[[ $WITH_BASE == 1 ]] && _check_ignored "$WHEELS_DIR"
 [[ $WITH_UNSLOTH == 1 ]] && _check_ignored "$UNSLOTH_WHEELS_DIR"
-rm -rf "$WHEELS_DIR" && _download "$WHEELS_DIR" "${BASE_PKGS[@]}"
-# bitsandbytes ships one 4-26 MB library per CUDA/ROCm/XPU version (43 MB wheel); the GPU image's torch is
-# cu130, so keep libbitsandbytes_cuda130.so and the CPU library: the wheel drops to about 4 MB.
-_trim "$WHEELS_DIR"/bitsandbytes-0.50.2-*.whl 'libbitsandbytes_(cuda(?!130)\d+|rocm\d+|xpu\d+)\.so$'
-echo "$WHEELS_DIR: $(ls "$WHEELS_DIR"/*.whl | wc -l) wheels, $(_size "$WHEELS_DIR")"
+[[ $WITH_RAY == 1 ]] && _check_ignored "$RAY_WHEELS_DIR"
+if [[ $WITH_BASE == 1 ]]; then
+  rm -rf "$WHEELS_DIR" && _download "$WHEELS_DIR" "${BASE_PKGS[@]}"
+  # bitsandbytes ships one 4-26 MB library per CUDA/ROCm/XPU version (43 MB wheel); the GPU image's torch is
+  # cu130, so keep libbitsandbytes_cuda130.so and the CPU library: the wheel drops to about 4 MB.
+  _trim "$WHEELS_DIR"/bitsandbytes-0.50.2-*.whl 'libbitsandbytes_(cuda(?!130)\d+|rocm\d+|xpu\d+)\.so$'
+  echo "$WHEELS_DIR: $(ls "$WHEELS_DIR"/*.whl | wc -l) wheels, $(_size "$WHEELS_DIR")"
+fi
 
 if [[ $WITH_UNSLOTH == 1 ]]; then
   rm -rf "$UNSLOTH_WHEELS_DIR" && _download "$UNSLOTH_WHEELS_DIR" "${UNSLOTH_PKGS[@]}"
@@ -122,9 +191,40 @@ if [[ $WITH_UNSLOTH == 1 ]]; then
   echo "$UNSLOTH_WHEELS_DIR: $(ls "$UNSLOTH_WHEELS_DIR"/*.whl | wc -l) wheels, $(_size "$UNSLOTH_WHEELS_DIR")"
 fi
 
-# The device tool refuses a call whose working tree plus carried folders exceed 64 MiB.
-total=$(du -scb "$WHEELS_DIR" $([[ $WITH_UNSLOTH == 1 ]] && echo "$UNSLOTH_WHEELS_DIR") | tail -1 | cut -f1)
-echo "carried together: $((total / 1048576)) MiB of the 64 MiB a device call may carry (working tree included)"
-if (( total > 60 * 1048576 )); then
-  echo "prepare_wheels: over 60 MiB; carry .whl and .whl-unsloth in separate calls" >&2
+if [[ $WITH_RAY == 1 ]]; then
+  rm -rf "$RAY_WHEELS_DIR" && _download "$RAY_WHEELS_DIR" "${RAY_PKGS[@]}"
+  # ray's 76 MB wheel: Java (jars/, 31 MB), RLlib, Serve, Ray LLM, the dashboard's built web client and the
+  # examples go; a TorchTrainer on one host imports none of them. What stays is mostly raylet, gcs_server and
+  # _raylet.so, stripped and LZMA-compressed (_slim).
+  _slim "$RAY_WHEELS_DIR"/ray-2.60.0-*.whl \
+    '^ray/(jars|rllib|serve|llm|dashboard/client)/|^ray/[^/]+/(.+/)?(examples|benchmarks?|tests?|testing)/'
+  echo "$RAY_WHEELS_DIR: $(ls "$RAY_WHEELS_DIR"/*.whl | wc -l) wheels, $(_size "$RAY_WHEELS_DIR")"
+  if [[ ${RAY_TAR:-0} == 1 ]]; then
+    # One xz stream over the installed tree compresses what raylet, gcs_server and _raylet.so share (statically
+    # linked code), which per-file compression in a wheel cannot. The scripts in bin/ are left out: their
+    # shebang names this machine's python, and Ray starts its processes with sys.executable.
+    site=$(mktemp -d)
+    targs=(--no-deps --only-binary=:all: --python-version "3.${PY_TAG#3}" --implementation cp --abi "cp$PY_TAG"
+           --abi abi3 --abi none --platform manylinux2014_x86_64 --platform any --target "$site")
+    "$PYTHON" -m pip install -q "${targs[@]}" "$RAY_WHEELS_DIR"/*.whl 2>&1 | grep -v "^WARNING: Location" || true
+    [[ -d $site/ray ]] || { echo "prepare_wheels: ray did not install into $site" >&2; exit 1; }
+    tar -C "$site" --exclude=__pycache__ --exclude=./bin -c . | xz -9e -T0 >"$RAY_WHEELS_DIR/ray-site.tar.xz"
+    rm -rf "$site" "$RAY_WHEELS_DIR"/*.whl
+    echo "$RAY_WHEELS_DIR: ray-site.tar.xz, $(_size "$RAY_WHEELS_DIR")"
+  fi
 fi
+
+# The device tool refuses a call whose working tree plus carried folders exceed 64 MiB. .whl goes with either
+# extra folder, never with both (a train.cluster run does not use unsloth).
+extras=()
+[[ $WITH_UNSLOTH == 1 ]] && extras+=("$UNSLOTH_WHEELS_DIR")
+[[ $WITH_RAY == 1 ]] && extras+=("$RAY_WHEELS_DIR")
+for extra in "${extras[@]}"; do
+  [[ -d $WHEELS_DIR ]] || break
+  total=$(du -scb "$WHEELS_DIR" "$extra" | tail -1 | cut -f1)
+  echo "$WHEELS_DIR + $extra: $((total / 1048576)) MiB of the 64 MiB a device call may carry (working tree included)"
+  if (( total > 60 * 1048576 )); then
+    echo "prepare_wheels: over 60 MiB; carry $WHEELS_DIR and $extra in separate calls" \
+         "$([[ $extra == "$RAY_WHEELS_DIR" ]] && echo "(or rerun with RAY_TAR=1)")" >&2
+  fi
+done

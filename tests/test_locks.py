@@ -136,8 +136,8 @@ def _unmet(lock: Path, metadata: dict[tuple[str, str], dict]) -> list[str]:
     pins = _pins(lock)
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    requested = {"slimtune": ["", "llama-cpp", "test"]}
-    requires = {"slimtune": project["dependencies"] + extras["llama-cpp"] + extras["test"]}
+    requested = {"slimtune": ["", "llama-cpp", "ray", "test"]}
+    requires = {"slimtune": project["dependencies"] + extras["llama-cpp"] + extras["ray"] + extras["test"]}
     for (name, version), meta in metadata.items():
         if pins.get(name) == version:
             requires[name] = meta.get("requires_dist") or []

@@ -10,7 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CUSTOM_COMPILE_COMMAND="tools/lock.sh"
-common=(--extra llama-cpp --extra test --strip-extras --allow-unsafe --no-emit-index-url --no-emit-find-links)
+common=(--extra llama-cpp --extra ray --extra test --strip-extras --allow-unsafe --no-emit-index-url
+        --no-emit-find-links)
 torch_cpu_index=${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}
 pip-compile "${common[@]}" ${torch_cpu_index:+--extra-index-url "$torch_cpu_index"} -c torch-cpu.txt \
   -o requirements.lock "$@" pyproject.toml
