@@ -637,3 +637,20 @@ def test_gpu_budget_oom_recovers_at_smaller_micro_batch(prefect_harness):
         assert out["device_used"] <= fraction * total + 64 * _MIB, (out["device_used"], fraction * total)
     assert abs(after - baseline) <= 64 * _MIB
     assert torch.cuda.get_per_process_memory_fraction(0) == 1.0  # the budget was restored
+
+
+def test_this_process_on_the_card_is_found_by_pid_or_as_the_one_process_in_a_container():
+    """NVML's process ids are the host's inside a container: this process is then the one process listed, when it
+    holds a context on the card (else the calibrated context stands in: `outside_allocator_bytes`)."""
+    from types import SimpleNamespace
+
+    from slimtune.memory.device_usage import held_by_this_process
+
+    def proc(pid: int, used: int | None) -> SimpleNamespace:
+        return SimpleNamespace(pid=pid, usedGpuMemory=used)
+
+    assert held_by_this_process([proc(7, 100), proc(8, 200)], 8, holds_context=True) == 200
+    assert held_by_this_process([proc(99999, 300)], 8, holds_context=True) == 300  # a container's one process
+    assert held_by_this_process([proc(99999, 300)], 8, holds_context=False) is None  # someone else's
+    assert held_by_this_process([proc(1, 300), proc(2, 5)], 8, holds_context=True) is None  # which one is unknown
+    assert held_by_this_process([], 8, holds_context=True) is None

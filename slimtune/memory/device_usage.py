@@ -4,7 +4,8 @@ The caching allocator sees only its own blocks. A process also holds the CUDA co
 handles and workspaces and the loaded kernel modules (1.07-1.29 GiB measured on an H100, see
 `slimtune.memory.estimate`), so a run whose allocator peaked at 5.2 GiB held 6.46 GiB of the card.
 NVML reports each process's usage; inside a container its process ids are the host's and this
-process is not found, and then the device's whole used memory stands in (other processes included).
+process is not found by its id: where NVML lists one process on the device and this one holds a context there,
+that one is this process; otherwise the device's whole used memory stands in (other processes included).
 """
 
 from __future__ import annotations
@@ -48,9 +49,21 @@ def process_reader(device: torch.device) -> Callable[[], int | None] | None:
             procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
         except pynvml.NVMLError:
             return None
-        return next((p.usedGpuMemory for p in procs if p.pid == pid and p.usedGpuMemory is not None), None)
+        return held_by_this_process(procs, pid, holds_context=torch.cuda.memory_reserved(device) > 0)
 
     return used
+
+
+def held_by_this_process(procs: list, pid: int, holds_context: bool) -> int | None:
+    """This process's bytes among NVML's compute processes of a device (objects with `pid`, `usedGpuMemory`).
+
+    Its own entry; in a container, where NVML gives the host's process ids, the one entry there is when this
+    process holds a context on the device (it has memory there): no other process does. None where it is unknown.
+    """
+    mine = next((p.usedGpuMemory for p in procs if p.pid == pid), None)
+    if mine is None and holds_context and len(procs) == 1:
+        mine = procs[0].usedGpuMemory
+    return mine
 
 
 def device_reader(device: torch.device) -> Callable[[], int] | None:
