@@ -83,13 +83,18 @@ _LAZY_LIBRARIES = int(0.25 * 1024**3)
 
 def outside_allocator_bytes(device: torch.device) -> int:
     """What this process holds on `device` outside the caching allocator, with what a training step loads later
-    (`_LAZY_LIBRARIES`): measured where NVML tells this process apart; the calibrated context where it cannot.
+    (`_LAZY_LIBRARIES`): measured where NVML tells this process apart; where it cannot, the smaller of the
+    calibrated context and what the device holds beyond this process's allocator (an upper bound of its share).
 
     Measured, not the calibrated figure, because cards and drivers differ by half a GiB: the product held 0.80 GiB
     outside its allocator while training on an H200 (h200-2026-11-27-stored-layers-b.json), 1.29 GiB on an H100.
     """
     reader = process_reader(device)
     held = reader() if reader is not None else None
+    reserved = torch.cuda.memory_reserved(device)
     if held is None:
-        return CUDA_CONTEXT_BYTES
-    return held - torch.cuda.memory_reserved(device) + _LAZY_LIBRARIES
+        # NVML cannot tell this process apart (a container that lists no process): what the whole device holds
+        # bounds its share from above, and the calibrated context where that bound is the larger (other processes)
+        free, total = torch.cuda.mem_get_info(device)
+        return min(CUDA_CONTEXT_BYTES, total - free - reserved + _LAZY_LIBRARIES)
+    return held - reserved + _LAZY_LIBRARIES
