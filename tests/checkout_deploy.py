@@ -68,7 +68,10 @@ def deploy_with_worker(
             the deployment is made; None: no schedule.
     """
     placement = renderer().placement(spec)
-    server.prefect("work-pool", "create", placement["name"], "--type", "process")
+    server.create_process_pool(placement["name"])
+    # The worker boots (its imports: 10-20 s on a busy 2-core machine) while the deployment is made; it polls
+    # the pool every second, so it picks up the first run the same as when started after the deployment.
+    start_worker(server, placement["name"], finalize, cwd=workdir)
     args = {
         "repo": str(REPO),
         "name": spec["name"],
@@ -87,5 +90,4 @@ def deploy_with_worker(
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    start_worker(server, placement["name"], finalize, cwd=workdir)
     return done.stdout.strip().splitlines()[-1]

@@ -105,12 +105,15 @@ def _clone_source(dest: Path) -> Path:
 
 
 def test_worker_runs_the_deployed_tiny_pipeline(tmp_path, request):
-    source = _clone_source(tmp_path / "source")
-    server = start_server(
+    source = tmp_path / "source"
+    server = start_server(  # it boots while the source is cloned
         tmp_path / "home",
         request.addfinalizer,
         extra_env={"SLIMTUNE_GIT_URL": source.as_uri(), "TRITON_INTERPRET": "1"},
+        wait=False,
     )
+    _clone_source(source)
+    server.wait_healthy()
     server.prefect(
         "work-pool",
         "create",
@@ -131,12 +134,12 @@ def test_worker_runs_the_deployed_tiny_pipeline(tmp_path, request):
         "--base-job-template",
         str(REPO / "deployments" / "process" / "gpu-hosts.json"),
     )
-    out = server.prefect("--no-prompt", "deploy", "--all", cwd=REPO)
-    assert "finetune/tiny-smoke" in out, out
-
     workdir = tmp_path / "worker"
     workdir.mkdir()
-    worker = start_worker(server, _CPU_POOL, request.addfinalizer, cwd=workdir, limit=1)  # the canary's pool
+    # the canary's pool; the worker boots (10-20 s of imports on a busy 2-core machine) while `prefect deploy` runs
+    worker = start_worker(server, _CPU_POOL, request.addfinalizer, cwd=workdir, limit=1)
+    out = server.prefect("--no-prompt", "deploy", "--all", cwd=REPO)
+    assert "finetune/tiny-smoke" in out, out
     # The pool's working_dir (where the clone and its runs/ live) points at /var/lib/slimtune; here at tmp.
     out = server.prefect("deployment", "run", "finetune/tiny-smoke", "--job-variable", f"working_dir={workdir}")
     assert "Created flow run" in out, out

@@ -194,6 +194,95 @@ def _checkpoint(name: str, dest: Path) -> Path:
     return dest
 
 
+class _Runs:
+    """The runs started by the `runs` fixture; `runs[name]` waits for that one only, so that a test checks its run
+    while the others still go (gemma-4's, the longest, runs alone on the two cores for its last 50-90 s)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.done: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
+
+    def __getitem__(self, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        if name not in self.done:
+            proc = self.procs[name]
+            proc.wait(timeout=1200)
+            out, err = ((self.root / name / stream).read_text(errors="replace") for stream in ("stdout", "stderr"))
+            completed = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            self.done[name] = (completed, self.root / "runs" / f"real-{name}")
+        return self.done[name]
+
+    def stop(self) -> None:
+        """Kill the runs no test waited for (a `-k` selection, a failed test)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, request) -> _Runs:
+    """`slimtune run` on a tiny model with each real vocabulary (two steps, merge, f16 and q8_0 GGUF verified in
+    llama.cpp), all at once against one Prefect server: each run alone spends most of its ~100 s starting.
+    Returns once all are started; `runs[name]` waits for one."""
+    from prefect_server import start_server
+
+    root = tmp_path_factory.mktemp("real-vocab-runs")
+    # The server boots while the first checkpoint is built (both ~25 s on a loaded 2-core machine).
+    server = start_server(root / "prefect", request.addfinalizer, wait=False)
+    started = _Runs(root)
+    request.addfinalizer(started.stop)
+    for name in _START_ORDER:
+        path, texts, _ = vocab(name)
+        model_dir = _checkpoint(name, root / name / "model")
+        data = root / name / "d.jsonl"
+        data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts if len(t.strip()) > 8) * 4)
+        spec = root / name / "s.yaml"
+        spec.write_text(
+            f"name: real-{name}\noutput_dir: {root / 'runs'}\nmodel: {{name_or_path: {model_dir}, device: cpu}}\n"
+            "lora: {r: 4, alpha: 8, gradient_checkpointing: false}\n"
+            f"data: {{path: {data}, max_seq_length: 64, eval_fraction: 0}}\n"
+            "train: {micro_batch_size: 2, max_steps: 2, save_steps: 2, seed: 0}\n"
+            "export: {gguf: [f16, q8_0]}\n"
+        )
+        cmd = [sys.executable, "-m", "slimtune.cli.main", "run", str(spec)]
+        # each run its own GPU slot (SLIMTUNE_GPU_SLOT): CPU runs, which would otherwise take turns on the one slot
+        env = {**server.env, "SLIMTUNE_GPU_SLOT": f"real-{name}"}
+        if not started.procs:
+            server.wait_healthy()
+        # output to files, not pipes: a run whose pipe fills (64 KiB) would stop until its turn to be read
+        with (root / name / "stdout").open("w") as out, (root / name / "stderr").open("w") as err:
+            started.procs[name] = subprocess.Popen(cmd, env=env, stdout=out, stderr=err)
+    return started
+
+
+# gemma-4's run ends last: its test is the module's last (below), so that the tests in between run while it finishes.
+@pytest.mark.parametrize("name", [name for name in VOCABS if name != "gemma-4"])
+def test_slimtune_run_exports_the_real_vocabulary(name, runs):
+    """The user's path: the run exits 0, each GGUF is written as llama.cpp's own vocabulary (SentencePiece from
+    tokenizer.model with its scores, BPE with the pre-tokenizer llama.cpp names), and llama.cpp's ids on it
+    equal llama.cpp's reference ids on every reference string."""
+    _check_exported_vocabulary(name, runs)
+
+
+def _check_exported_vocabulary(name: str, runs: _Runs) -> None:
+    path, texts, reference = vocab(name)
+    done, run_dir = runs[name]
+    assert done.returncode == 0, done.stderr[-3000:]
+    for out_type in ("f16", "q8_0"):
+        gguf_path = run_dir / "gguf" / f"real-{name}-{out_type}.gguf"
+        written = read_header(gguf_path).kv
+        assert (written["tokenizer.ggml.model"], written.get("tokenizer.ggml.pre")) == WRITTEN_AS[name]
+        if name == "llama-spm":  # from tokenizer.model: sentencepiece's own scores, not ones derived from merges
+            assert written["tokenizer.ggml.scores"] == read_header(path).kv["tokenizer.ggml.scores"]
+        llm = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
+        got = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
+        llm.close()
+        bad = [(t, g, r) for t, g, r in zip(texts, got, reference) if g != r]
+        print(f"{name} {out_type}: llama.cpp ids = reference on {len(texts) - len(bad)}/{len(texts)} strings")
+        assert not bad, f"{name} {out_type}: {len(bad)}/{len(texts)} differ, first {bad[0]}"
+
+
 def test_probe_hash_names_the_pre_tokenizer_of_an_unknown_shape():
     """A Llama 3 tokenizer.json whose regex is spelled differently (llama.cpp's own case-insensitive rewrite) is no
     known shape; llama.cpp's probe-text hash still names it, and ignore_merges picks llama-bpe or its twin."""
@@ -281,62 +370,7 @@ def test_as_is_writes_the_closest_vocabulary_and_measures_the_mismatch(tmp_path)
     assert check.mismatch_rate == check.mismatched / check.texts
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, request) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """`slimtune run` on a tiny model with each real vocabulary (two steps, merge, f16 and q8_0 GGUF verified in
-    llama.cpp), all at once against one Prefect server: each run alone spends most of its ~100 s starting."""
-    from prefect_server import start_server
-
-    root = tmp_path_factory.mktemp("real-vocab-runs")
-    # The server boots while the first checkpoint is built (both ~25 s on a loaded 2-core machine).
-    server = start_server(root / "prefect", request.addfinalizer, wait=False)
-    started = {}
-    for name in _START_ORDER:
-        path, texts, _ = vocab(name)
-        model_dir = _checkpoint(name, root / name / "model")
-        data = root / name / "d.jsonl"
-        data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts if len(t.strip()) > 8) * 4)
-        spec = root / name / "s.yaml"
-        spec.write_text(
-            f"name: real-{name}\noutput_dir: {root / 'runs'}\nmodel: {{name_or_path: {model_dir}, device: cpu}}\n"
-            "lora: {r: 4, alpha: 8, gradient_checkpointing: false}\n"
-            f"data: {{path: {data}, max_seq_length: 64, eval_fraction: 0}}\n"
-            "train: {micro_batch_size: 2, max_steps: 2, save_steps: 2, seed: 0}\n"
-            "export: {gguf: [f16, q8_0]}\n"
-        )
-        cmd = [sys.executable, "-m", "slimtune.cli.main", "run", str(spec)]
-        # each run its own GPU slot (SLIMTUNE_GPU_SLOT): CPU runs, which would otherwise take turns on the one slot
-        env = {**server.env, "SLIMTUNE_GPU_SLOT": f"real-{name}"}
-        if not started:
-            server.wait_healthy()
-        # output to files, not pipes: a run whose pipe fills (64 KiB) would stop until its turn to be read
-        with (root / name / "stdout").open("w") as out, (root / name / "stderr").open("w") as err:
-            started[name] = subprocess.Popen(cmd, env=env, stdout=out, stderr=err)
-    done = {}
-    for name, proc in started.items():
-        proc.wait(timeout=1200)
-        out, err = ((root / name / stream).read_text(errors="replace") for stream in ("stdout", "stderr"))
-        done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), root / "runs" / f"real-{name}")
-    return done
-
-
-@pytest.mark.parametrize("name", list(VOCABS))
-def test_slimtune_run_exports_the_real_vocabulary(name, runs):
-    """The user's path: the run exits 0, each GGUF is written as llama.cpp's own vocabulary (SentencePiece from
-    tokenizer.model with its scores, BPE with the pre-tokenizer llama.cpp names), and llama.cpp's ids on it
-    equal llama.cpp's reference ids on every reference string."""
-    path, texts, reference = vocab(name)
-    done, run_dir = runs[name]
-    assert done.returncode == 0, done.stderr[-3000:]
-    for out_type in ("f16", "q8_0"):
-        gguf_path = run_dir / "gguf" / f"real-{name}-{out_type}.gguf"
-        written = read_header(gguf_path).kv
-        assert (written["tokenizer.ggml.model"], written.get("tokenizer.ggml.pre")) == WRITTEN_AS[name]
-        if name == "llama-spm":  # from tokenizer.model: sentencepiece's own scores, not ones derived from merges
-            assert written["tokenizer.ggml.scores"] == read_header(path).kv["tokenizer.ggml.scores"]
-        llm = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
-        got = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in texts]
-        llm.close()
-        bad = [(t, g, r) for t, g, r in zip(texts, got, reference) if g != r]
-        print(f"{name} {out_type}: llama.cpp ids = reference on {len(texts) - len(bad)}/{len(texts)} strings")
-        assert not bad, f"{name} {out_type}: {len(bad)}/{len(texts)} differ, first {bad[0]}"
+def test_slimtune_run_exports_the_real_vocabulary_gemma4(runs):
+    """As test_slimtune_run_exports_the_real_vocabulary, for Gemma 4's vocabulary (262k tokens, llama.cpp's own
+    gemma4 tokenizer model)."""
+    _check_exported_vocabulary("gemma-4", runs)

@@ -46,9 +46,12 @@ def test_training_and_export_each_run_on_their_own_pool(tmp_path, request):
     spec = {**shipped_spec("tiny-smoke.yaml", tmp_path / "runs"), "pools": {"export": _CPU_STAGE}}
     workdir = tmp_path / "worker"
     workdir.mkdir()
-    template = str(REPO / "deployments" / "process" / "gpu-hosts.json")  # the shipped one: the plan's variables
+    template = REPO / "deployments" / "process" / "gpu-hosts.json"  # the shipped one: the plan's variables
     for pool in (_GPU_STAGE, _CPU_STAGE):
-        server.prefect("work-pool", "create", pool, "--type", "process", "--base-job-template", template)
+        server.create_process_pool(pool, template)
+    # The workers boot (imports: 10-20 s each on a busy 2-core machine) while the deployments are made.
+    for pool in (_GPU_STAGE, _CPU_STAGE):
+        start_worker(server, pool, request.addfinalizer, cwd=workdir, log=f"worker-{pool}.log")
     deployments = [
         {
             "entrypoint": "slimtune/flows/finetune.py:finetune",
@@ -75,8 +78,6 @@ def test_training_and_export_each_run_on_their_own_pool(tmp_path, request):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     train_id, export_id = json.loads(done.stdout.rsplit("deployment ids:", 1)[1])
-    for pool in (_GPU_STAGE, _CPU_STAGE):
-        start_worker(server, pool, request.addfinalizer, cwd=workdir, log=f"worker-{pool}.log")
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterId

@@ -16,7 +16,8 @@ from checkout_deploy import deploy_with_worker, shipped_spec
 from prefect_server import start_server
 
 # After the deployment is made (a few seconds on a busy host): the scheduler never creates a run due in the past.
-_FIRST_RUN_IN_S = 30
+# The worker is up by then (deploy_with_worker starts it first), so the run waits for this margin and no more.
+_FIRST_RUN_IN_S = 20
 _RUN_TIMEOUT_S = 600  # the 4-step pipeline takes ~1-2 min on 2 idle cores; much longer while the suite runs
 # The scheduler inserts runs every loop (60 s by default); a deployment changed in the last few seconds is
 # scheduled sooner by the "recent deployments" loop (5 s by default). Both short here, so the run exists well

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from faultlib import REPO, spec_dict
+from prefect_server import seed_home
 
 from slimtune.train.checkpoints import complete_checkpoints
 
@@ -27,7 +28,8 @@ _SPEC = {"train": {"max_steps": 400, "save_steps": 2}, "merge": {"enabled": Fals
 def _start(tmp_path: Path) -> subprocess.Popen:
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(spec_dict(tmp_path / "runs", **_SPEC)))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
+    # a migrated database: the run's temporary server skips the migrations
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(seed_home(tmp_path / "prefect"))}
     # files, not pipes: nobody reads a pipe while the run goes, and a full one would block it
     proc = subprocess.Popen(
         [sys.executable, "-m", "slimtune.cli.main", "run", str(spec)],

@@ -75,10 +75,11 @@ def chain(tmp_path_factory, request, reference_run):
                 )
             )
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=_SLOT, limit=_SLOTS))
+        # The worker boots (its imports: 10-20 s on a busy 2-core machine) while the deployment is made.
+        worker = start_worker(server, _POOL, request.addfinalizer)
         deployment_id = kill_flow.finetune.from_source(source=str(_HERE), entrypoint="kill_flow.py:finetune").deploy(
             name="faults", work_pool_name=_POOL, print_next_steps=False
         )
-        worker = start_worker(server, _POOL, request.addfinalizer)
 
         def wait(count: int) -> list:
             deadline = time.monotonic() + _CHAIN_TIMEOUT_S

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from faultlib import REPO, spec_dict
+from prefect_server import seed_home
 
 _START_TIMEOUT_S = 240
 _RUN_TIMEOUT_S = 300
@@ -47,7 +48,8 @@ def test_a_rerun_after_sigkill_gets_the_gpu_slot(tmp_path, observe):
     # finishes soon: with 40 steps it trained 51 s of its 88 s after resuming (2 loaded cores).
     spec.write_text(json.dumps(spec_dict(tmp_path / "out", train={"max_steps": 12, "save_steps": 2})))
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    # seeded with a migrated database: the first run's temporary server skips the migrations
+    env.update(PREFECT_HOME=str(seed_home(tmp_path / "prefect-home")), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
     first = _start(spec, first_log, env)
     second = None

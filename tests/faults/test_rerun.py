@@ -17,6 +17,7 @@ import sys
 import pytest
 import yaml
 from faultlib import REPO, spec_dict
+from prefect_server import seed_home
 
 from slimtune.core.atomic import umask
 
@@ -31,7 +32,8 @@ def test_rerun_reuses_the_merge_and_keeps_the_training_time(reference_run, tmp_p
     shutil.copytree(reference_run["run_dir"], out / "faults")
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(spec_dict(out)))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONHASHSEED": "7"}
+    home = seed_home(tmp_path / "prefect")  # a migrated database: the temporary server skips the migrations
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(home), "PYTHONHASHSEED": "7"}
     done = subprocess.run(
         [sys.executable, "-m", "slimtune.cli.main", "run", str(spec)],
         capture_output=True,
