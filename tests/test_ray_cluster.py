@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,7 +117,9 @@ def _kill_a_worker_after_the_first_checkpoint(spec: PipelineSpec, killed: list[i
         killed.append(victims[-1].pid)
 
 
-def test_a_killed_worker_resumes_and_the_flow_ends_with_the_uninterrupted_adapter(flow_on_ray, uninterrupted):
+def test_a_killed_worker_resumes_and_the_flow_ends_with_the_uninterrupted_adapter(flow_on_ray, uninterrupted, tmp_path):
+    from test_ddp import _LOSS_ATOL, _LOSS_ATOL_LATER, _single_process
+
     spec, state, killed = flow_on_ray
     assert state.is_completed(), state
     assert len(killed) == 1, "the first checkpoint never came, or not with 2 workers"
@@ -142,7 +145,13 @@ def test_a_killed_worker_resumes_and_the_flow_ends_with_the_uninterrupted_adapte
     for entry in trained["losses"]:
         assert entry["loss"] == pytest.approx(reference_losses[entry["step"]], abs=1e-5), entry
 
-    # (torchrun's 2 ranks train as one process with the same effective batch: tests/test_ddp.py)
+    # and as one process with the same effective batch: micro-batch 4 against 2 workers x micro-batch 2
+    single_spec = _spec(tmp_path, "single", None)
+    single_spec.train.max_steps = 4
+    single = _single_process(single_spec, micro_batch_size=4)
+    for mine_entry, ref in zip(trained["losses"], single["losses"]):
+        atol = _LOSS_ATOL.get(ref["step"], _LOSS_ATOL_LATER)
+        assert mine_entry["loss"] == pytest.approx(ref["loss"], abs=atol), (mine_entry, ref)
     assert trained["losses"][-1]["loss"] < trained["losses"][0]["loss"] - 0.3  # it trained
 
     run_dir = spec.run_dir()
@@ -289,3 +298,49 @@ def test_without_the_ray_extra_the_spec_names_the_install(tmp_path, monkeypatch)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(ValueError, match=r"pip install 'slimtune\[ray\]'"):
         ClusterSpec(num_workers=2)
+
+
+def test_the_returned_adapter_replaces_an_older_one_and_leaves_the_same_one_alone(tmp_path):
+    """On machines that share no run directory the adapter reaches the flow through Ray's storage (`_place_adapter`)."""
+    from slimtune.flows.ray_train import _place_adapter
+
+    returned, run_dir = tmp_path / "returned", tmp_path / "run"
+    (returned / "adapter").mkdir(parents=True)
+    (returned / "adapter" / "adapter_model.safetensors").write_bytes(b"new weights")
+    (returned / "train_report.json").write_text('{"steps": 12}')
+    (run_dir / "adapter").mkdir(parents=True)
+    (run_dir / "adapter" / "adapter_model.safetensors").write_bytes(b"an older run's")
+    (run_dir / "adapter" / "stale.txt").write_text("gone after")
+    _place_adapter(returned, run_dir)
+    assert sorted(p.name for p in (run_dir / "adapter").iterdir()) == ["adapter_model.safetensors"]
+    assert (run_dir / "adapter" / "adapter_model.safetensors").read_bytes() == b"new weights"
+    assert (run_dir / "train_report.json").read_text() == '{"steps": 12}'
+    before = (run_dir / "adapter" / "adapter_model.safetensors").stat().st_mtime_ns
+    _place_adapter(returned, run_dir)  # rank 0 wrote these very files (a shared run directory): untouched
+    assert (run_dir / "adapter" / "adapter_model.safetensors").stat().st_mtime_ns == before
+    assert not list(run_dir.glob(".*ray-staging"))
+
+
+def test_rays_latest_checkpoint_is_copied_only_where_the_run_directory_lacks_it(tmp_path):
+    from types import SimpleNamespace
+
+    from slimtune.flows.ray_train import restore_checkpoint
+    from slimtune.train import checkpoints
+
+    stored = tmp_path / "ray" / "run" / "checkpoint-8"
+    stored.mkdir(parents=True)
+    (stored / checkpoints.COMPLETE).write_text("{}")
+    (stored / "optimizer.pt").write_bytes(b"state")
+
+    def checkpoint(path):
+        return SimpleNamespace(path=str(path), to_directory=lambda d: shutil.copytree(path, d, dirs_exist_ok=True))
+
+    root = tmp_path / "run" / "checkpoints"
+    copied = restore_checkpoint(root, checkpoint(stored))  # a node that did not write it
+    assert copied == root / "checkpoint-8" and (copied / "optimizer.pt").read_bytes() == b"state"
+    assert (copied / checkpoints.COMPLETE).is_file() and [p.name for p in root.iterdir()] == ["checkpoint-8"]
+    assert restore_checkpoint(root, checkpoint(stored)) is None  # the run directory has it
+    result = tmp_path / "ray" / "run" / "result-1"
+    result.mkdir()
+    assert restore_checkpoint(tmp_path / "other", checkpoint(result)) is None  # a finished run's result
+    assert restore_checkpoint(root, None) is None and not (tmp_path / "other").exists()

@@ -252,5 +252,5 @@ def test_run_form_renders_every_field(server, shots, tmp_path):
     for label in ("Target Modules", "Max Steps", "Report To", "Gradient Checkpointing", "License"):
         assert label in dom, f"{label} is not on the form"
     assert "is a const" not in dom and "is not of type" not in dom
-    assert dom.count("Property is type") == 1  # only the optional Push section's "Off" choice
+    assert dom.count("Property is type") == 2  # only the optional sections' "Off" choices: Push, the Ray cluster
     assert "builtin:tiny-llama, builtin:tiny-mistral" in dom  # help text with its names intact

@@ -58,12 +58,14 @@ def test_custom_run_submits_validated_and_trains_with_the_typed_learning_rate(tm
         page.wait_for(f"{_field('Learning Rate')} !== null && {_SUBMIT} !== undefined")
         shown = page.settle()  # the form renders a field once its default is filled in, field by field
         (tmp_path / "run-form.txt").write_text(shown)
-        # As shipped: no field in error, no internal field, help text intact, Push a choice left at "Off".
+        # As shipped: no field in error, no internal field, help text intact, Push and the Ray cluster choices
+        # left at "Off".
         for error in ("is not of type", "is a required property"):
             assert error not in shown, f"the form opens with errors ({error!r}):\n{shown}"
         assert "\nMax Crash Resubmits (Optional)" in shown and "\nResubmits (Optional)" not in shown
         assert "gguf/{name}-lora.gguf" in shown
-        assert "Push to the Hub\nOff" in shown and shown.count('Property is type "None"') == 1
+        assert "Push to the Hub\nOff" in shown and "Ray cluster\nOff" in shown
+        assert shown.count('Property is type "None"') == 2
         assert page.js(f"{_VALIDATE_CHECKBOX}.checked") is True
 
         page.js(f"{_field('Learning Rate')}.scrollIntoView({{block: 'center'}})")
