@@ -99,8 +99,9 @@ def test_custom_run_submits_validated_and_trains_with_the_typed_learning_rate(tm
 
     sent = run.parameters["spec"]
     assert sent["train"]["learning_rate"] == float(_LEARNING_RATE)
-    # Only the optional Push section is null ("Off"); unset optional fields were left out, not sent as null.
-    assert _nulls(sent) == ["export.push"], _nulls(sent)
+    # Only the optional sections (Push, the Ray cluster) are null ("Off"); unset optional fields were left out,
+    # not sent as null.
+    assert sorted(_nulls(sent)) == ["export.push", "train.cluster"], _nulls(sent)
     effective = yaml.safe_load((tmp_path / "runs" / spec["name"] / "spec.effective.yaml").read_text())
     assert effective["train"]["learning_rate"] == float(_LEARNING_RATE)
     print(f"form to completed run: {time.monotonic() - began:.0f} s; screenshots in {tmp_path}")

@@ -353,13 +353,17 @@ def train_adapter(
                         graphs_note = f"{graphs.captured} captured, {graphs.replays} replays"
                         graphs_note += f"; off after a failed capture: {graphs.reason}" if graphs.reason else ""
                         run_logger().info("CUDA graphs of the layers' backward: %s", graphs_note)
-            except Exception as e:
-                if not checkpoints.is_disk_full(e):  # the checkpoints are training's only large writes
-                    raise
-                raise OSError(errno.ENOSPC, checkpoints.write_failure(ckpt_root, model, e)) from e
-            finally:
+            except BaseException as e:
                 if args.should_save:  # what a failed save left half-written never reaches ckpt_root
                     shutil.rmtree(ckpt_root / checkpoints.STAGING, ignore_errors=True)
+                if not isinstance(e, Exception) or not checkpoints.is_disk_full(e):  # training's only large writes
+                    raise
+                raise OSError(errno.ENOSPC, checkpoints.write_failure(ckpt_root, model, e)) from e
+            # Trainer lists its output folder (the staging one) on every rank at the end of train(): it goes only
+            # once every rank is past that (rank 1 failed on a staging folder rank 0 had just removed)
+            trainer.accelerator.wait_for_everyone()
+            if args.should_save:
+                shutil.rmtree(ckpt_root / checkpoints.STAGING, ignore_errors=True)
         train_seconds = time.perf_counter() - began
         eval_after = trainer.evaluate()["eval_loss"] if eval_rows else None
     eval_before = trainer.checkpoint_state["eval_loss_before"] if eval_before is None else eval_before
