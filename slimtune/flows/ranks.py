@@ -36,7 +36,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from transformers import TrainerControl, TrainerState
 
+from slimtune.core import atomic
 from slimtune.spec.schema import PipelineSpec
 from slimtune.train.callbacks import PROGRESS_EVENT, ProgressEvents, run_logger, stage_progress
 
@@ -191,8 +193,6 @@ class ProgressRelay:
             event = json.loads(line[at + len(PROGRESS_EVENT) :])
         except ValueError:  # cut or interleaved by the launcher: the next line brings the figures again
             return False
-        from transformers import TrainerControl, TrainerState
-
         state = TrainerState(
             global_step=event["step"], max_steps=event["max_steps"], log_history=event.get("history", [])
         )
@@ -257,6 +257,23 @@ def raise_worker_error(job_dir: Path, returncode: int, tail: list[str], launcher
     if any(e["oom"] for e in errors):
         raise torch.OutOfMemoryError(message)
     raise RuntimeError(message)
+
+
+def write_error(job_dir: Path, rank: int, error: BaseException) -> None:
+    """Record why rank `rank` failed (`error-rank{rank}.json`) for `raise_worker_error`; rank -1 is the launcher."""
+    from slimtune.memory.errors import classify
+
+    atomic.write_json(
+        job_dir / f"error-rank{rank}.json",
+        {
+            "rank": rank,
+            "type": type(error).__name__,
+            "message": str(error).strip()[:2000],
+            "oom": classify(error),
+            "at": time.time(),
+            "traceback": "".join(traceback.format_exception(error))[-4000:],
+        },
+    )
 
 
 def _rank_env() -> tuple[int, int, int]:
@@ -353,8 +370,6 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of one torchrun worker: `python -m slimtune.flows JOB_DIR`."""
     import torch.distributed as dist
 
-    from slimtune.core import atomic
-
     job_dir = Path((argv or sys.argv[1:])[0])
     rank, local_rank, world = _rank_env()
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
@@ -365,19 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             atomic.write_json(job_dir / RESULT_FILE, report)
         _leave_together(rank)
     except BaseException as e:
-        from slimtune.memory.errors import classify
-
-        atomic.write_json(
-            job_dir / f"error-rank{rank}.json",
-            {
-                "rank": rank,
-                "type": type(e).__name__,
-                "message": str(e).strip()[:2000],
-                "oom": classify(e),
-                "at": time.time(),
-                "traceback": traceback.format_exc()[-4000:],
-            },
-        )
+        write_error(job_dir, rank, e)
         raise
     finally:
         if dist.is_available() and dist.is_initialized():

@@ -26,7 +26,6 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -274,24 +273,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_errors(job_dir: Path, error: BaseException) -> None:
-    """The workers' errors as torchrun's ranks write them (`error-rank*.json`), for `ranks.raise_worker_error`; a
-    failure of the driver itself (no cluster, too few GPUs) as rank -1's."""
-    from slimtune.memory.errors import classify
-
-    failures = getattr(error, "worker_failures", None) or {-1: error}
-    for rank, failure in failures.items():
-        cause = getattr(failure, "cause", None) or failure  # a RayTaskError wraps what the worker raised
-        atomic.write_json(
-            job_dir / f"error-rank{rank}.json",
-            {
-                "rank": rank,
-                "type": type(cause).__name__,
-                "message": str(cause).strip()[:2000],
-                "oom": classify(cause),
-                "at": time.time(),
-                "traceback": "".join(traceback.format_exception(cause))[-4000:],
-            },
-        )
+    """The workers' errors as torchrun's ranks record theirs (`ranks.write_error`); a failure of the driver itself
+    (no cluster, too few GPUs) as rank -1's."""
+    for rank, failure in (getattr(error, "worker_failures", None) or {-1: error}).items():
+        ranks.write_error(job_dir, rank, getattr(failure, "cause", None) or failure)  # RayTaskError wraps the cause
 
 
 if __name__ == "__main__":
