@@ -153,6 +153,77 @@ MODEL_SHAPES: dict[str, ModelShape] = {
             pad_token_id=0,
         ),
     ),
+    # google/gemma-3-4b-it's config.json, the multimodal checkpoint as released (Gemma3ForConditionalGeneration):
+    # a 34-layer language model (5 sliding layers of 1024, then a global one with linear rope scaling 8), SigLIP's
+    # 27-layer 896-pixel vision tower and the projector beside it; 4.30B parameters.
+    "gemma3_4b": ModelShape(
+        "gemma3_4b",
+        "Gemma-3-4B (multimodal)",
+        "gemma3",
+        dict(
+            text_config=dict(
+                hidden_size=2560,
+                intermediate_size=10240,
+                num_hidden_layers=34,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                head_dim=256,
+                vocab_size=262208,
+                max_position_embeddings=131072,
+                rms_norm_eps=1e-6,
+                hidden_activation="gelu_pytorch_tanh",
+                query_pre_attn_scalar=256,
+                sliding_window=1024,
+                layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(34)],
+                rope_parameters={
+                    "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1000000.0),
+                    "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                },
+            ),
+            vision_config=dict(
+                hidden_size=1152,
+                intermediate_size=4304,
+                num_hidden_layers=27,
+                num_attention_heads=16,
+                image_size=896,
+                patch_size=14,
+                vision_use_head=False,
+            ),
+            mm_tokens_per_image=256,
+            tie_word_embeddings=True,
+            bos_token_id=2,
+            eos_token_id=1,
+            pad_token_id=0,
+        ),
+    ),
+    # Qwen/Qwen3.5-4B's language model (qwen3_5_text): 32 layers, three Gated DeltaNet layers (16 key heads, 32
+    # value heads of 128) then one gated full-attention layer (16 heads on 4 KV heads of 256, a quarter rotating),
+    # 248k vocabulary.
+    "qwen35_4b": ModelShape(
+        "qwen35_4b",
+        "Qwen3.5-4B (language model)",
+        "qwen3_5_text",
+        dict(
+            hidden_size=2560,
+            intermediate_size=9216,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_conv_kernel_dim=4,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            vocab_size=248320,
+            max_position_embeddings=262144,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+            bos_token_id=248044,
+            eos_token_id=248044,
+        ),
+    ),
     # microsoft/Phi-3-mini-4k-instruct's config.json (3,821,079,552 parameters): fused qkv_proj and
     # gate_up_proj, 32 full heads (no GQA), a 2047-token sliding window, untied head.
     "phi3_mini": ModelShape(

@@ -12,16 +12,23 @@ text model's inputs, and gives every Gated DeltaNet an instance forward that run
 so the conv and the recurrence start from zero at each one, as for the document alone. The decoder layer is
 still called once (its norms and MLP batched, checkpointing's per-layer bookkeeping unchanged); a recompute in
 backward reads the boundaries of the forward it repeats. Padded batches (a mask) and generation (a cache) go
-through the original forward. On the GPU this is one mixer call per document: flash-linear-attention's varlen
-kernels (`cu_seqlens`) would run a row in one call, and are not wired here.
+through the original forward.
+
+On a GPU with flash-linear-attention installed (`pip install 'slimtune[fla]'`, the GPU lock has it), the batch
+runs as one sequence of documents instead: its Triton causal conv1d and chunked gated delta rule take the
+documents' offsets (`cu_seqlens`) and restart the conv and the state at each, in one launch each, where the
+loop above makes ~6 launches per document. The boundaries are read on the host, so CUDA graphs are refused for
+these models (`slimtune.train.step.checkpointing.graphs_refusal`): a replay would keep the captured batch's.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from slimtune.kernels.instance_patch import KernelPatch, replace_forward
 
@@ -79,8 +86,54 @@ def _per_document(
     bounds = documents.bounds if documents is not None else None
     if bounds is None or cache_params is not None or attention_mask is not None or len(bounds) != len(hidden_states):
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+    kernels = _fla_kernels() if hidden_states.is_cuda else None
+    if kernels is not None:
+        return _varlen(mixer, hidden_states, bounds, *kernels)
     rows = [
         torch.cat([original(hidden_states[b : b + 1, s:e], **kwargs) for s, e in zip(row[:-1], row[1:])], dim=1)
         for b, row in enumerate(bounds)
     ]
     return torch.cat(rows, dim=0)
+
+
+@functools.cache
+def _fla_kernels() -> tuple[Callable, Callable] | None:
+    """flash-linear-attention's varlen causal conv1d and chunked gated delta rule, or None where not installed."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return causal_conv1d, chunk_gated_delta_rule
+
+
+def _varlen(
+    mixer: torch.nn.Module, hidden_states: torch.Tensor, bounds: list[list[int]], conv: Callable, delta_rule: Callable
+) -> torch.Tensor:
+    """`mixer`'s forward (transformers' Qwen3_5GatedDeltaNet without a cache or mask) over the batch's rows as one
+    sequence of documents: the conv and the delta rule restart at each document start (`bounds`, per row)."""
+    rows, length, _ = hidden_states.shape
+    starts = [b * length + s for b, row in enumerate(bounds) for s in row[:-1]]
+    cu_cpu = torch.tensor([*starts, rows * length], dtype=torch.long)
+    cu = cu_cpu.to(hidden_states.device, non_blocking=True)
+    x = hidden_states.reshape(1, rows * length, -1)
+    mixed, _ = conv(
+        mixer.in_proj_qkv(x),
+        weight=mixer.conv1d.weight.squeeze(1),
+        bias=mixer.conv1d.bias,
+        activation=mixer.activation,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
+    )
+    query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    query = query.reshape(1, rows * length, -1, mixer.head_k_dim)
+    key = key.reshape(1, rows * length, -1, mixer.head_k_dim)
+    value = value.reshape(1, rows * length, -1, mixer.head_v_dim)
+    beta = mixer.in_proj_b(x).sigmoid()
+    g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(x).float() + mixer.dt_bias)
+    out, _ = delta_rule(
+        query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu
+    )
+    z = mixer.in_proj_z(x).reshape(-1, mixer.head_v_dim)
+    out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z).reshape(rows, length, -1)
+    return mixer.out_proj(out)
