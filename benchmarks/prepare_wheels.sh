@@ -62,9 +62,6 @@ BASE_PKGS=(
   jinja2-humanize-extension==0.4.0 pydocket==0.27.0 burner-redis==0.1.7 cronsim==2.8
   py-key-value-aio==0.4.6 beartype==0.23.1 python-dotenv==1.2.4 python-json-logger==4.2.0 redis==8.1.0
   ruamel-yaml==0.19.1 ruamel-yaml-clib==0.2.15 semver==3.1.1 toml==0.10.2 uncalled-for==0.6.1
-  # the `fla` extra: Qwen3.5's Gated DeltaNet on packed rows (slimtune.train.step.linear_attention); transformers
-  # uses it too once installed, so the baselines run with it as well
-  flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2
 )
 # unsloth 2026.10.9 pins transformers<=5.17.0 and trl<=1.15.0 (the image has transformers 5.17.0);
 # datasets <5 and not 4.0/4.1.0/4.4/4.5.0; datasets wants dill<0.4.2 and multiprocess<0.70.20.

@@ -91,8 +91,8 @@ def test_refusals_name_the_reason() -> None:
         ("gemma4_text", "Gemma 4"),
         # an MoE layer runs the experts its batch routes to, chosen on the host: a replay would run the captured ones
         ("qwen3_moe", "mixture of experts"),
-        # Qwen3.5's Gated DeltaNet layers run each document of a packed row apart, from boundaries read on the host
-        ("qwen3_5_text", "document boundaries"),
+        # Qwen3.5's Gated DeltaNet layers restart at each document of a packed row, from position ids they keep aside
+        ("qwen3_5_text", "document starts"),
     ],
 )
 def test_layers_a_replay_cannot_reproduce_stay_eager(family: str, named: str) -> None:

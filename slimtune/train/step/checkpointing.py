@@ -325,7 +325,9 @@ def graphs_refusal(model: nn.Module) -> str | None:
     if hasattr(config, "num_kv_shared_layers"):  # the layers' `shared_kv_states` argument
         return "the layers hand key/value states to later ones in a shared dict (Gemma 4); a replay would not fill it"
     if "linear_attention" in (getattr(config, "layer_types", None) or ()):
-        return "the linear-attention layers read each batch's document boundaries on the host; a replay would not"
+        return (
+            "the linear-attention layers read each batch's document starts outside their arguments; a replay would not"
+        )
     if any(isinstance(m, NF4Experts) for layer in layers for m in layer.modules()):
         return "the host picks which experts to run from each batch's routing (mixture of experts); a replay would not"
     device = next((p.device for layer in layers for p in layer.parameters()), torch.device("cpu"))

@@ -1,49 +1,51 @@
-"""Packed rows through linear-attention (recurrent) layers: each document runs through the mixer on its own.
+"""Packed rows through linear-attention (recurrent) layers: every document starts from a fresh state.
 
 Qwen3.5's Gated DeltaNet carries state along the row: a causal conv1d over the last `linear_conv_kernel_dim`
-tokens and the delta rule's recurrent state. transformers' torch path (`causal_conv1d_fn`,
-`torch_chunk_gated_delta_rule`) takes no document boundaries (it drops `cu_seqlens`), so on a packed row
-(position ids restarting per document, no mask) each document would start from the previous one's state:
-tests/test_family_qwen35.py measures the leak. Full-attention layers are already kept apart by transformers'
-block mask from the same position ids.
+tokens and the delta rule's recurrent state. transformers' forward takes no document boundaries (its torch path
+drops `cu_seqlens`), so on a packed row (position ids restarting per document, no mask) each document would start
+from the previous one's state: tests/test_family_qwen35.py measures the leak. Full-attention layers are already
+kept apart by transformers' block mask from the same position ids.
 
-`isolate_documents` records each forward's document boundaries (where the position ids restart at 0) from the
-text model's inputs, and gives every Gated DeltaNet an instance forward that runs its mixer once per document,
-so the conv and the recurrence start from zero at each one, as for the document alone. The decoder layer is
-still called once (its norms and MLP batched, checkpointing's per-layer bookkeeping unchanged); a recompute in
-backward reads the boundaries of the forward it repeats. Padded batches (a mask) and generation (a cache) go
-through the original forward.
-
-On a GPU with flash-linear-attention installed (`pip install 'slimtune[fla]'`, the GPU lock has it), the batch
-runs as one sequence of documents instead: its Triton causal conv1d and chunked gated delta rule take the
-documents' offsets (`cu_seqlens`) and restart the conv and the state at each, in one launch each, where the
-loop above makes ~6 launches per document. The boundaries are read on the host, so CUDA graphs are refused for
-these models (`slimtune.train.step.checkpointing.graphs_refusal`): a replay would keep the captured batch's.
+`isolate_documents` keeps each forward's position ids (the text model's input) and gives every Gated DeltaNet an
+instance forward that runs the whole batch in one call, as transformers does, with the documents kept apart:
+- the conv sums its taps itself, each tap masked where it would reach before the token's document start (a
+  position below the tap's offset), so a document's first tokens see zeros, as at the start of a row;
+- at each document's first token the log-decay `g` is set to `_RESET`: the gated delta rule scales the state it
+  carries in by exp(g) before adding the token's update, so the previous document's state enters as e^-30
+  (~1e-13) of itself. That is the reset of a fresh document, up to rounding, and it needs no document offsets:
+  the chunked kernel transformers picks (its torch path, or flash-linear-attention's Triton kernel where
+  installed) runs unchanged, one launch sequence per layer however many documents a row holds.
+The decoder layer is called once (its norms and MLP batched, checkpointing's per-layer bookkeeping unchanged); a
+recompute in backward reads the position ids of the forward it repeats. Padded batches (a mask) and generation
+(a cache) go through the original forward. The position ids live outside the layers' arguments, so CUDA graphs
+are refused for these models (`slimtune.train.step.checkpointing.graphs_refusal`): a replay would read the
+captured batch's.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from slimtune.kernels.instance_patch import KernelPatch, replace_forward
 
 _MARK = "_slimtune_documents"
+# The log-decay at a document's first token: the state carried in is scaled by e^-30 (~1e-13). Larger magnitudes
+# cost precision in the kernels' running sums of g within a chunk (fp32: ~1e-7 of the sum's magnitude).
+_RESET = -30.0
 
 
 @dataclass
 class _Documents:
-    """Per row, the token offsets where documents start (then the row length), of the forward in progress."""
+    """The (rows, length) position ids of the packed forward in progress (restarting at 0 per document), or None."""
 
-    bounds: list[list[int]] | None = None
+    positions: torch.Tensor | None = None
 
 
 def isolate_documents(model: torch.nn.Module) -> KernelPatch:
-    """Run `model`'s Gated DeltaNet mixers one document at a time on packed rows (idempotent); undo restores."""
+    """Keep the documents of packed rows apart in `model`'s Gated DeltaNet mixers (idempotent); undo restores."""
     patch = KernelPatch()
     if "linear_attention" not in (getattr(model.config, "layer_types", None) or ()):
         return patch  # no recurrent layer: nothing to keep apart, nothing to import
@@ -56,7 +58,7 @@ def isolate_documents(model: torch.nn.Module) -> KernelPatch:
         hook = text_model.register_forward_pre_hook(functools.partial(_record, documents), with_kwargs=True)
         patch.on_undo(hook.remove)
         for mixer in [m for m in text_model.modules() if isinstance(m, Qwen3_5GatedDeltaNet)]:
-            replace_forward(mixer, _per_document, patch, documents=documents)
+            replace_forward(mixer, _packed, patch, documents=documents)
         setattr(text_model, _MARK, True)
         patch.on_undo(lambda text_model=text_model: delattr(text_model, _MARK))
     return patch
@@ -66,15 +68,11 @@ def _record(documents: _Documents, _module: torch.nn.Module, _args: tuple, kwarg
     position_ids = kwargs.get("position_ids")
     if position_ids is not None and position_ids.ndim == 3:  # (4, B, T): text positions first
         position_ids = position_ids[0]
-    if position_ids is None or not bool((position_ids[:, 1:] == 0).any()):
-        documents.bounds = None
-        return
-    length = position_ids.shape[1]
-    starts = [(torch.nonzero(row[1:] == 0).flatten() + 1).tolist() for row in position_ids]
-    documents.bounds = [[0, *s, length] for s in starts]
+    packed = position_ids is not None and bool((position_ids[:, 1:] == 0).any())
+    documents.positions = position_ids if packed else None
 
 
-def _per_document(
+def _packed(
     mixer: torch.nn.Module,
     original,
     hidden_states: torch.Tensor,
@@ -83,57 +81,45 @@ def _per_document(
     documents: _Documents | None = None,
     **kwargs,
 ) -> torch.Tensor:
-    bounds = documents.bounds if documents is not None else None
-    if bounds is None or cache_params is not None or attention_mask is not None or len(bounds) != len(hidden_states):
+    positions = documents.positions if documents is not None else None
+    if positions is None or cache_params is not None or attention_mask is not None:
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-    kernels = _fla_kernels() if hidden_states.is_cuda else None
-    if kernels is not None:
-        return _varlen(mixer, hidden_states, bounds, *kernels)
-    rows = [
-        torch.cat([original(hidden_states[b : b + 1, s:e], **kwargs) for s, e in zip(row[:-1], row[1:])], dim=1)
-        for b, row in enumerate(bounds)
-    ]
-    return torch.cat(rows, dim=0)
+    if positions.shape != hidden_states.shape[:2]:
+        raise ValueError(
+            f"position ids of shape {tuple(positions.shape)} for hidden states {tuple(hidden_states.shape)}"
+        )
+    from transformers.activations import ACT2FN
+    from transformers.models.qwen3_5 import modeling_qwen3_5
 
-
-@functools.cache
-def _fla_kernels() -> tuple[Callable, Callable] | None:
-    """flash-linear-attention's varlen causal conv1d and chunked gated delta rule, or None where not installed."""
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
-    return causal_conv1d, chunk_gated_delta_rule
-
-
-def _varlen(
-    mixer: torch.nn.Module, hidden_states: torch.Tensor, bounds: list[list[int]], conv: Callable, delta_rule: Callable
-) -> torch.Tensor:
-    """`mixer`'s forward (transformers' Qwen3_5GatedDeltaNet without a cache or mask) over the batch's rows as one
-    sequence of documents: the conv and the delta rule restart at each document start (`bounds`, per row)."""
     rows, length, _ = hidden_states.shape
-    starts = [b * length + s for b, row in enumerate(bounds) for s in row[:-1]]
-    cu_cpu = torch.tensor([*starts, rows * length], dtype=torch.long)
-    cu = cu_cpu.to(hidden_states.device, non_blocking=True)
-    x = hidden_states.reshape(1, rows * length, -1)
-    mixed, _ = conv(
-        mixer.in_proj_qkv(x),
-        weight=mixer.conv1d.weight.squeeze(1),
-        bias=mixer.conv1d.bias,
-        activation=mixer.activation,
-        cu_seqlens=cu,
-        cu_seqlens_cpu=cu_cpu,
-    )
+    mixed = _conv_within_documents(mixer.in_proj_qkv(hidden_states), mixer.conv1d, positions)
+    mixed = ACT2FN[mixer.activation](mixed).to(hidden_states.dtype)
     query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
-    query = query.reshape(1, rows * length, -1, mixer.head_k_dim)
-    key = key.reshape(1, rows * length, -1, mixer.head_k_dim)
-    value = value.reshape(1, rows * length, -1, mixer.head_v_dim)
-    beta = mixer.in_proj_b(x).sigmoid()
-    g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(x).float() + mixer.dt_bias)
-    out, _ = delta_rule(
-        query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu
+    query = query.reshape(rows, length, -1, mixer.head_k_dim)
+    key = key.reshape(rows, length, -1, mixer.head_k_dim)
+    value = value.reshape(rows, length, -1, mixer.head_v_dim)
+    beta = mixer.in_proj_b(hidden_states).sigmoid()
+    g = -mixer.A_log.float().exp() * torch.nn.functional.softplus(
+        mixer.in_proj_a(hidden_states).float() + mixer.dt_bias
     )
-    z = mixer.in_proj_z(x).reshape(-1, mixer.head_v_dim)
+    g = g.masked_fill((positions == 0).unsqueeze(-1), _RESET)
+    out, _ = modeling_qwen3_5.torch_chunk_gated_delta_rule(
+        query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True
+    )
+    z = mixer.in_proj_z(hidden_states).reshape(-1, mixer.head_v_dim)
     out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z).reshape(rows, length, -1)
     return mixer.out_proj(out)
+
+
+def _conv_within_documents(x: torch.Tensor, conv: torch.nn.Conv1d, positions: torch.Tensor) -> torch.Tensor:
+    """`conv` (depthwise, causal) over `x` (rows, length, channels), each tap reaching no further back than the
+    token's document start; in the conv weight's dtype, as transformers computes it."""
+    weight = conv.weight.squeeze(1)  # (channels, taps): the last tap multiplies the token itself
+    taps = weight.shape[1]
+    x = x.to(weight.dtype)
+    out = x * weight[:, -1]
+    for back in range(1, taps):
+        earlier = torch.nn.functional.pad(x[:, :-back], (0, 0, back, 0))
+        reach = (positions >= back).unsqueeze(-1).to(x.dtype)  # that token is in this token's document
+        out = out + earlier * reach * weight[:, -1 - back]
+    return out if conv.bias is None else out + conv.bias
