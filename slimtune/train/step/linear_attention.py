@@ -98,6 +98,10 @@ def _packed(
     query = query.reshape(rows, length, -1, mixer.head_k_dim)
     key = key.reshape(rows, length, -1, mixer.head_k_dim)
     value = value.reshape(rows, length, -1, mixer.head_v_dim)
+    if mixer.num_v_heads > mixer.num_k_heads:  # each query/key head serves that many value heads (transformers <
+        # 5.23's chunk rule takes them repeated; later ones repeat them themselves, so both get what they need)
+        query = query.repeat_interleave(mixer.num_v_heads // mixer.num_k_heads, dim=2)
+        key = key.repeat_interleave(mixer.num_v_heads // mixer.num_k_heads, dim=2)
     beta = mixer.in_proj_b(hidden_states).sigmoid()
     g = -mixer.A_log.float().exp() * torch.nn.functional.softplus(
         mixer.in_proj_a(hidden_states).float() + mixer.dt_bias
