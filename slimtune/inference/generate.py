@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from slimtune.export.gguf_adapter import ADAPTER_GGUF_SUFFIX
+from slimtune.export.gguf_mmproj import MMPROJ_GGUF_SUFFIX
 from slimtune.models.multimodal import text_model_load_kwargs
 
 # Default GGUF when the run wrote several: the most precise type first (what the run verified best).
@@ -66,9 +67,11 @@ def pick_gguf(run_dir: Path, name: str | None = None) -> Path:
     folder = run_dir / "gguf"
     if not folder.is_dir():
         raise RunDirError(f"{folder}: no GGUF files; set export.gguf (e.g. [f16]) or use --backend hf")
-    # Dot-files are unfinished writes; the adapter GGUF is not a model.
+    # Dot-files are unfinished writes; the adapter and vision projector GGUFs are not models.
     files = sorted(
-        p for p in folder.glob("*.gguf") if not p.name.startswith(".") and not p.name.endswith(ADAPTER_GGUF_SUFFIX)
+        p
+        for p in folder.glob("*.gguf")
+        if not p.name.startswith(".") and not p.name.endswith((ADAPTER_GGUF_SUFFIX, MMPROJ_GGUF_SUFFIX))
     )
     stale = _not_produced(run_dir, files)
     files = [p for p in files if p not in stale]

@@ -108,6 +108,7 @@ def render_results(summary: dict) -> list[str]:
         lines += ["### GGUF files, verified in llama.cpp against the merged model", ""]
         header = ["file", "size", "argmax agreement", "max logit difference", "same token ids"]
         lines += _table(header, _gguf_rows(export)) + [""]
+        lines += _mmproj_lines(export.get("mmproj"))
         lines += _chat_template_lines(export.get("chat_template"))
         pushed = export.get("pushed")
         if pushed:
@@ -117,6 +118,23 @@ def render_results(summary: dict) -> list[str]:
         header, rows = _stage_rows(memory)
         lines += ["### Time and memory per stage", ""] + _table(header, rows) + [""]
     return lines
+
+
+def _mmproj_lines(mmproj: dict | None) -> list[str]:
+    """Gemma 3's vision projector GGUF and its image embeddings against transformers'."""
+    if not mmproj:
+        return []
+    if "file" not in mmproj:
+        return [f"Vision projector (`--mmproj`): not written; {mmproj.get('skipped')}.", ""]
+    check = mmproj.get("verification") or {}
+    if "max_abs_diff" in check:
+        verified = (
+            f"image embeddings in llama.cpp {check['max_abs_diff']:.3g} off transformers' "
+            f"(largest {check['max_abs_embedding']:.3g}, {check['tokens']} tokens)"
+        )
+    else:
+        verified = check.get("skipped", "not verified")
+    return [f"Vision projector (`--mmproj`): `{mmproj['file']}`, {_size(mmproj['bytes'])}; {verified}.", ""]
 
 
 def _chat_template_lines(outcome: dict | None) -> list[str]:

@@ -23,10 +23,19 @@ from slimtune.export import (
     verify_gguf,
 )
 from slimtune.export.gguf_adapter import ADAPTER_GGUF_SUFFIX, convert_adapter_to_gguf, verify_adapter_gguf
+from slimtune.export.gguf_mmproj import (
+    MMPROJ_MODEL_TYPES,
+    convert_mmproj_to_gguf,
+    mmproj_file_name,
+    verify_mmproj,
+    writes_mmproj,
+)
 from slimtune.export.gguf_tokenizer_check import check_tokenizer_export
+from slimtune.export.gguf_verify import check_complete
 from slimtune.export.model_card import base_license, chat_template_outcome
 from slimtune.export.previous_gguf import set_aside_previous_ggufs
 from slimtune.merge.nf4 import TRAINING_NF4
+from slimtune.models.multimodal import layout_of
 from slimtune.plan.run_plan import RunPlan, plan_for
 from slimtune.spec.schema import PipelineSpec
 
@@ -50,6 +59,7 @@ class ExportResult:
     adapter: dict | None = None  # the LoRA adapter GGUF (export.adapter_gguf) and its check against merged
     tokenizer: dict | None = None  # export.gguf_tokenizer as_is: why the ids may differ, measured in llama.cpp
     chat_template: dict | None = None  # the Modelfile's TEMPLATE format, or "none" with why and how to chat
+    mmproj: dict | None = None  # Gemma 3's vision projector GGUF (llama.cpp's --mmproj) and its check, or why not
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,6 +91,40 @@ def _convert(spec: PipelineSpec, merged_dir: Path, out_dir: Path) -> list[Path]:
 
 
 LORA_FACTS = ("r", "alpha", "dropout", "target_modules", "use_rslora")
+
+
+def _mmproj(spec: PipelineSpec, merged_dir: Path, out_dir: Path, files: list[Path]) -> dict | None:
+    """Gemma 3: llama.cpp's vision projector GGUF beside the text GGUFs, checked whole and (export.verify) its image
+    embeddings against transformers' ({"skipped": why} for a vision config llama.cpp cannot run); None for other
+    checkpoints."""
+    if not files:
+        return None
+    if not writes_mmproj(merged_dir):
+        layout = layout_of(json.loads((merged_dir / "config.json").read_text(encoding="utf-8")))
+        if layout is not None:
+            log.info(
+                "no mmproj file for the %s checkpoint: llama.cpp's vision projector is written for %s checkpoints "
+                "only; the GGUF holds the language model",
+                layout.model_type,
+                ", ".join(MMPROJ_MODEL_TYPES),
+            )
+        return None
+    try:
+        path = convert_mmproj_to_gguf(merged_dir, out_dir / mmproj_file_name(spec.name), name=spec.name)
+    except ValueError as exc:  # a vision config llama.cpp would run differently: the text GGUFs stand on their own
+        log.warning("no mmproj file: %s", exc)
+        return {"skipped": str(exc)}
+    check_complete(path)
+    record: dict = {"file": path.name, "bytes": path.stat().st_size}
+    if spec.export.verify:
+        if llama_cpp_available():
+            record["verification"] = verify_mmproj(path, files[0], merged_dir)
+        else:
+            record["verification"] = {
+                "skipped": "llama-cpp-python is not installed (pip install 'slimtune[llama-cpp]')"
+            }
+    log.info("mmproj GGUF: %s", record)
+    return record
 
 
 def card_hyperparameters(spec: PipelineSpec, trained: Mapping[str, Any], compute_dtype: str) -> dict[str, object]:
@@ -122,7 +166,7 @@ def card_license(spec: PipelineSpec, model_dir: str) -> str | None:
 
 
 def _card(
-    spec: PipelineSpec, plan: RunPlan, merged_dir: Path, files: list[Path], summary: dict
+    spec: PipelineSpec, plan: RunPlan, merged_dir: Path, files: list[Path], summary: dict, mmproj: dict | None = None
 ) -> tuple[str, str, dict[str, str]]:
     """The model card, the Modelfile and what the Modelfile does with the chat template (for the report)."""
     tok_cfg = (
@@ -134,6 +178,10 @@ def _card(
     if template is None and (merged_dir / "chat_template.jinja").exists():
         template = (merged_dir / "chat_template.jinja").read_text()
     quants = [{"file": f.name, "method": f.stem.rsplit("-", 1)[-1], "size_bytes": f.stat().st_size} for f in files]
+    if mmproj and "file" in mmproj:  # after the text GGUFs: the first row is the one the card recommends
+        quants.append(
+            {"file": mmproj["file"], "method": "f16 vision projector (--mmproj)", "size_bytes": mmproj["bytes"]}
+        )
     card = render_model_card(
         repo_id=spec.export.push.repo_id if spec.export.push else None,
         name=spec.name,
@@ -199,6 +247,7 @@ def gguf_convert_and_push(
     out_dir.mkdir(parents=True, exist_ok=True)
     files = _convert(spec, merged_dir, out_dir)
     result = ExportResult(files={f.name: f.stat().st_size for f in files})
+    result.mmproj = _mmproj(spec, merged_dir, out_dir, files)
     if spec.export.gguf_tokenizer == "as_is" and files:
         result.tokenizer = check_tokenizer_export(merged_dir, strict=False).to_dict()
         log.info("GGUF tokenizer written as is: %s", result.tokenizer)
@@ -216,14 +265,16 @@ def gguf_convert_and_push(
         log.info("adapter GGUF: %s", result.adapter)
     # the earlier run's GGUFs this export list no longer produces: gguf/ then holds this run's files only
     adapter = [adapter_gguf_name(spec)] if spec.export.adapter_gguf else []
-    set_aside_previous_ggufs(out_dir, [f.name for f in files] + adapter)
-    card, modelfile, result.chat_template = _card(spec, plan, merged_dir, files, summary)
+    mmproj = [result.mmproj["file"]] if result.mmproj and "file" in result.mmproj else []
+    set_aside_previous_ggufs(out_dir, [f.name for f in files] + adapter + mmproj)
+    card, modelfile, result.chat_template = _card(spec, plan, merged_dir, files, summary, result.mmproj)
     log.info("Modelfile chat template: %s", result.chat_template)
     atomic.write_text(out_dir / "README.md", card)
     atomic.write_text(out_dir / "Modelfile", modelfile)
     push = spec.export.push
     if push is not None:
         upload = {f.name: f for f in files} | {"README.md": out_dir / "README.md", "Modelfile": out_dir / "Modelfile"}
+        upload |= {name: out_dir / name for name in mmproj}
         if push.include_adapter:
             upload |= {f"adapter/{p.name}": p for p in adapter_dir.iterdir() if p.is_file()}
             if result.adapter is not None:
