@@ -224,6 +224,37 @@ def test_packed_rows_run_each_deltanet_layer_in_one_call(model_dir, tokenizer, m
     assert total / count == pytest.approx(sum(s for s, _ in alone) / sum(n for _, n in alone), abs=1e-5)
 
 
+def test_deltanet_layers_keep_over_twice_an_attention_layers_activations(model_dir):
+    """What the estimate leaves out, and why `stored_layers: auto` stores no layer of Qwen3.5
+    (slimtune.plan.train_settings): on a packed bf16 forward, a Gated DeltaNet layer saves for backward over twice
+    the bytes the full-attention layer does (measured 2.2-2.3x), where the estimate counts every layer alike."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    choose_batching(model, "packed")
+    for name, p in model.named_parameters():
+        p.requires_grad_("layers" in name and "proj" in name)
+    current, saved = [None], {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if current[0] is not None:
+            storages = saved.setdefault(current[0], {})
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i))
+        layer.register_forward_hook(lambda _m, _a, _o: current.__setitem__(0, None))
+    position_ids = torch.cat([torch.arange(200), torch.arange(312)]).unsqueeze(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=torch.randint(0, 200, (1, 512)), position_ids=position_ids)
+    kept = {i: sum(storages.values()) for i, storages in saved.items()}
+    types = model.config.layer_types
+    attention = [kept[i] for i, t in enumerate(types) if t == "full_attention"]
+    deltanet = [kept[i] for i, t in enumerate(types) if t == "linear_attention"]
+    assert attention and deltanet and min(deltanet) > 2 * max(attention)
+
+
 def test_merge_matches_peft_on_the_nf4_base(model_dir, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig

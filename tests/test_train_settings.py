@@ -133,6 +133,33 @@ def test_graphs_are_on_where_their_estimate_fits_and_off_on_a_retry(tmp_path):
     assert len(retry.downshift_notes) == 1 and retry.downshift_notes[0].startswith("attempt 2: ")
 
 
+def test_auto_stores_no_layer_of_a_linear_attention_model(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers keep more than the estimate counts for a layer: auto stores none, and says
+    why; an explicit count is still honoured."""
+    qwen35 = {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 2560,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_conv_kernel_dim": 4,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "vocab_size": 248320,
+        "tie_word_embeddings": True,
+    }
+    spec = _spec(tmp_path, micro_batch_size=4, gradient_accumulation_steps=1)
+    settings = resolve_train(spec, qwen35, "cuda")  # no budget: a Llama stores all its layers here (below)
+    assert settings.stored_layers == 0 and "linear-attention" in settings.stored_note
+    assert resolve_train(spec, LLAMA_8B, "cuda").stored_layers == 32
+    fixed = resolve_train(_spec(tmp_path, micro_batch_size=4, stored_layers=3), qwen35, "cuda")
+    assert fixed.stored_layers == 3
+
+
 def test_stored_layers_take_what_the_budget_has_left_after_the_graphs(tmp_path):
     """auto: the largest count of stored layers whose estimate fits, after the micro-batch and the graphs; all of
     them (and no graphs: nothing is recomputed) where they fit; 0 on a retry, the CPU and several GPUs."""
