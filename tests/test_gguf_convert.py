@@ -80,6 +80,13 @@ def _expected_gguf_tensors(model_dir: Path, family: str) -> dict[str, np.ndarray
         if m := re.fullmatch(r"(.+\.experts)\.(\d+)\.(.+)", key):
             experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = w
             continue
+        if m := re.fullmatch(r"(.+\.experts)\.(gate_up_proj|down_proj)(_bias)?", key):  # gpt-oss's fused experts
+            # [E, in, out] for x @ W, gate and up interleaved by column -> llama.cpp's gate/up/down [E, out, in]
+            halves = {"down_proj": w} if m[2] == "down_proj" else {"gate_proj": w[..., 0::2], "up_proj": w[..., 1::2]}
+            for proj, part in halves.items():
+                hf = f"{m[1]}.{proj}{'.bias' if m[3] else '.weight'}"
+                out[name_map.get_name(hf, try_suffixes=(".weight", ".bias"))] = part if m[3] else part.swapaxes(1, 2)
+            continue
         if row.permute_qk and ("q_proj" in key or "k_proj" in key):
             # rows of head h: HF [x_0..x_31, y_0..y_31] -> llama.cpp [x_0, y_0, x_1, y_1, ...]
             heads = w.shape[0] // head_dim
@@ -133,7 +140,7 @@ def test_every_tensor_round_trips(tiny_dirs, tmp_path, family):
 
     arch = _field(reader, "general.architecture")
     renamed = {"mistral": "llama", "gemma3_text": "gemma3", "gemma4_text": "gemma4", "qwen3_5_text": "qwen35"}
-    renamed |= {"qwen3_moe": "qwen3moe"}
+    renamed |= {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
     assert arch == renamed.get(family, family)
     assert _field(reader, f"{arch}.attention.head_count") == 4
     assert _field(reader, f"{arch}.attention.head_count_kv") == 2

@@ -43,9 +43,23 @@ def _linears(family: str) -> int:
     layers = row.tiny.get("num_hidden_layers", 4)
     linear = sum(linear_attention_layers({"num_hidden_layers": layers})) if row.linear_attention_targets else 0
     attention = len(row.lora_targets) - len(row.linear_attention_targets)  # q/k/v/o and the MLP
-    if row.experts:  # an MoE's MLP: gate, up and down of every expert, stored apart
+    if row.fused_experts:  # gpt-oss's MLP: two stacked tensors (gate_up, down) that hold every expert
+        attention -= 1
+    elif row.experts:  # an MoE's MLP: gate, up and down of every expert, stored apart
         attention += 3 * (row.tiny["num_experts"] - 1)
     return (layers - linear) * attention + linear * (attention - 4 + len(row.linear_attention_targets))
+
+
+def _stacked_expert_factors(
+    ab: dict[str, torch.Tensor], module: str, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(A, B) stacked over experts where the adapter holds per-expert LoRA on the stacked tensor `module` (gpt-oss's
+    `<block>.<e>.gate_up_proj`), else None."""
+    block, _, projection = module.rpartition(".")
+    keys = [f"{block}.{e}.{projection}.lora_{{}}.weight" for e in range(w.shape[0])] if w.dim() == 3 else []
+    if not keys or keys[0].format("A") not in ab:
+        return None
+    return torch.stack([ab[k.format("A")] for k in keys]), torch.stack([ab[k.format("B")] for k in keys])
 
 
 def _save_adapter(base: Path, out: Path, seed: int, **lora) -> Path:
@@ -146,10 +160,14 @@ def test_original_is_exact_w_plus_scaled_ba(models, tmp_path, family):
     targets = 0
     for name, w in before.items():
         module = "base_model.model." + name.removesuffix(".weight")
-        if f"{module}.lora_A.weight" in ab:
+        stacked = _stacked_expert_factors(ab, module, w)
+        if f"{module}.lora_A.weight" in ab or stacked:
             targets += 1
-            a, b = ab[f"{module}.lora_A.weight"], ab[f"{module}.lora_B.weight"]
-            expected = w + scale * (b @ a)
+            if stacked:  # gpt-oss's fused [E, in, out] tensor: each expert's (B A)^T
+                expected = w + scale * (stacked[1] @ stacked[0]).transpose(-2, -1)
+            else:
+                a, b = ab[f"{module}.lora_A.weight"], ab[f"{module}.lora_B.weight"]
+                expected = w + scale * (b @ a)
             assert torch.equal(after[name], expected), name  # exact: same fp32 ops as peft's merge
             assert not torch.equal(after[name], w), name  # the adapter is not the identity
         else:
@@ -192,7 +210,9 @@ def test_nf4_roundtrip_matches_what_from_pretrained_holds(models, nf4_models, fa
     stored = load_file(base / "model.safetensors")
     linears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     for block, m in model.named_modules():  # each expert's stored matrices, as NF4Experts holds them
-        if isinstance(m, NF4Experts):
+        if isinstance(m, NF4Experts) and m.transposed:  # gpt-oss: the stored stacks, each expert quantized alone
+            linears |= {f"{block}.{p}_proj": (getattr(m, p), None) for p in ("gate_up", "down")}
+        elif isinstance(m, NF4Experts):
             parts = dict(zip(("gate_proj", "up_proj"), m.gate_up.parts)) | {"down_proj": m.down}
             linears |= {per_expert_name(block, e, p): (w, e) for p, w in parts.items() for e in range(m.num_experts)}
     # Gemma 4's per-layer input gate and projection and its model-level per-layer input projection are NF4 too
@@ -202,7 +222,8 @@ def test_nf4_roundtrip_matches_what_from_pretrained_holds(models, nf4_models, fa
     for name, module in linears.items():
         if isinstance(module, tuple):  # an expert's matrix in NF4ExpertWeights
             weights, e = module
-            loaded = weights.dequantize(e)
+            experts = range(weights.num_experts) if e is None else None
+            loaded = weights.dequantize(e) if experts is None else torch.stack([weights.dequantize(i) for i in experts])
         else:
             loaded = bf.dequantize_4bit(module.weight.data, module.weight.quant_state)
         ours = roundtrip(stored[name], QuantSpec())

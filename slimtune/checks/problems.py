@@ -57,7 +57,23 @@ def _built_model_problems(spec: PipelineSpec) -> list[str]:
         return [f"model.name_or_path: {model_dir / 'config.json'} does not build a model ({reason}); fix or replace it"]
     problems = _target_problems(spec, model_dir, model) + weight_file_problems(spec.model, model_dir, model)
     problems += _stored_layers_problems(spec, model_dir)
+    problems += _attention_sinks_problems(spec, model)
     return problems + _experts_problems(spec, model) + tokenizer_and_data_problems(spec)
+
+
+def _attention_sinks_problems(spec: PipelineSpec, model: torch.nn.Module) -> list[str]:
+    """An attention implementation that would run without gpt-oss's learned sinks (`Family.attention_sinks`)."""
+    from slimtune.models.families import FAMILIES
+
+    family = FAMILIES.get(getattr(model.config, "model_type", ""))
+    chosen = spec.model.attn_implementation
+    if family is None or not family.attention_sinks or chosen not in ("sdpa", "flash_attention_2"):
+        return []
+    why = "transformers has no SDPA path for it" if chosen == "sdpa" else "flash-attn 2 drops them without a word"
+    return [
+        f"model.attn_implementation: {chosen} cannot run {family.model_type}'s learned attention sinks ({why}); "
+        "use auto (eager), eager or flex_attention"
+    ]
 
 
 def _stored_layers_problems(spec: PipelineSpec, model_dir: Path) -> list[str]:

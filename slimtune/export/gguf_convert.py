@@ -37,7 +37,7 @@ import numpy as np
 
 from slimtune.core import atomic
 from slimtune.export.gguf_deltanet import deltanet_tensor
-from slimtune.export.gguf_experts import expert_stacks, stack_loader, stack_shape
+from slimtune.export.gguf_experts import FusedPart, expert_stacks, fused_expert_parts, stack_loader, stack_shape
 from slimtune.export.gguf_quantize import CONVERTER_TYPES
 from slimtune.export.gguf_tokenizer import add_tokenizer
 from slimtune.models.families import BY_ARCHITECTURE, Family
@@ -209,6 +209,9 @@ def _plan_tensors(
         else:
             with safe_open(file, framework="pt") as f:
                 shape = tuple(f.get_slice(stored).get_shape())
+        if family.fused_experts and (parts := fused_expert_parts(key, shape)) is not None:
+            yield from _fused_expert_plans(parts, file, stored, name_map, known, family, default_qtype)
+            continue
         # Qwen3.5's Gated DeltaNet tensors have their own layout (slimtune.export.gguf_deltanet)
         deltanet = deltanet_tensor(key, shape, config) if ".linear_attn." in key else None
         lookup = deltanet.key if deltanet else stack.key if stack else key
@@ -228,6 +231,25 @@ def _plan_tensors(
         transform = _transform_for(lookup, family, n_head, n_kv)
         load = stack_loader(stack, shape, transform) if stack else _loader(file, stored, transform)
         yield _Planned(name, load, shape, _tensor_qtype(name, shape, default_qtype, tied))
+
+
+def _fused_expert_plans(
+    parts: list[FusedPart],
+    file: Path,
+    stored: str,
+    name_map: gguf.TensorNameMap,
+    known: list[gguf.MODEL_TENSOR],
+    family: Family,
+    default_qtype: Q,
+) -> Iterator[_Planned]:
+    """gpt-oss's fused expert tensor as llama.cpp's gate/up/down expert tensors (`fused_expert_parts`); the 2-D
+    expert biases stay f32 like every other bias."""
+    for part in parts:
+        name = name_map.get_name(part.key, try_suffixes=(".weight", ".bias"))
+        if name is None or name_map.get_type(part.key, try_suffixes=(".weight", ".bias")) not in known:
+            raise ValueError(f"{file.name}: tensor {stored!r} has no GGUF name for {family.gguf_name}")
+        qtype = Q.F32 if name.endswith(".bias") else _tensor_qtype(name, part.shape, default_qtype, False)
+        yield _Planned(name, _loader(file, stored, part.transform), part.shape, qtype)
 
 
 def _safetensors_keys(model_dir: Path) -> Iterator[tuple[Path, str]]:
@@ -425,7 +447,7 @@ def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
         raise TypeError(f"GGUF key {key}: cannot write {type(value).__name__} {value!r}")
 
 
-_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}
 
 
 def _add_rope_scaling(writer: gguf.GGUFWriter, scaling: dict[str, Any], config: dict[str, Any]) -> None:
@@ -441,9 +463,12 @@ def _add_rope_scaling(writer: gguf.GGUFWriter, scaling: dict[str, Any], config: 
     elif kind == "yarn":
         # Checked against transformers to 1e-6 with the default ramp (beta_fast 32, beta_slow 1) and
         # attention factor; with other betas llama.cpp's logits differ (8e-3 measured), so refuse them.
+        # `truncate: false` (gpt-oss's released config) has no GGUF key: llama.cpp rounds the ramp's ends as
+        # truncate does, which moved the tiny gpt_oss's f32 logits (factor 32 from 4096) by 2.9e-4, every next token
+        # the same (2026-11-27); llama.cpp's own converter writes gpt-oss the same way, so it is accepted.
         custom = {
             k: scaling[k]
-            for k in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+            for k in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
             if scaling.get(k) is not None and scaling[k] != _YARN_DEFAULTS.get(k)
         }
         if custom:

@@ -6,6 +6,10 @@ and projection, experts along the slowest dimension. `gguf`'s `TensorNameMap` na
 without the expert index (`...mlp.experts.gate_proj.weight` -> `blk.N.ffn_gate_exps`), so the converter looks the
 stack up by that name and needs nothing per architecture here. A stack is read expert by expert into one array when
 its turn comes: host memory holds one layer's stacked projection, never the model's experts.
+
+gpt-oss checkpoints store each layer's experts fused, as transformers holds them (`<block>.gate_up_proj` [E, H, 2I]
+for `x @ W`, gate and up interleaved by column, `<block>.down_proj` [E, I, H], and a bias for each); llama.cpp's
+gpt-oss reads gate and up apart, each as [E, out, in] with its own bias (`fused_expert_parts`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -85,3 +90,46 @@ def stack_loader(
         return out
 
     return load
+
+
+class FusedPart(NamedTuple):
+    """One llama.cpp tensor cut from a fused gpt-oss expert tensor."""
+
+    key: str  # the HF-style name gguf's TensorNameMap knows (`...mlp.experts.gate_proj.weight`)
+    shape: tuple[int, ...]
+    transform: Callable[[np.ndarray], np.ndarray]
+
+
+def fused_expert_parts(key: str, shape: tuple[int, ...]) -> list[FusedPart] | None:
+    """The llama.cpp tensors of a fused gpt-oss expert tensor, or None for any other tensor: gate_up's weight and
+    bias split into gate (even columns) and up (odd columns), the weights transposed to llama.cpp's [E, out, in]."""
+    block, _, name = key.rpartition(".")
+    if not block.endswith(".experts") or name not in (
+        "gate_up_proj",
+        "gate_up_proj_bias",
+        "down_proj",
+        "down_proj_bias",
+    ):
+        return None
+    bias = name.endswith("_bias")
+    suffix = ".bias" if bias else ".weight"
+    if name == "down_proj":
+        return [FusedPart(f"{block}.down_proj{suffix}", (shape[0], shape[2], shape[1]), _transposed)]
+    if name == "down_proj_bias":
+        return [FusedPart(f"{block}.down_proj{suffix}", shape, lambda w: w)]
+    half = (*shape[:-1], shape[-1] // 2)
+    parts = []
+    for proj, first in (("gate_proj", 0), ("up_proj", 1)):
+        if bias:
+            parts.append(
+                FusedPart(f"{block}.{proj}{suffix}", half, lambda w, f=first: np.ascontiguousarray(w[..., f::2]))
+            )
+        else:
+            shape_t = (shape[0], half[-1], shape[1])
+            parts.append(FusedPart(f"{block}.{proj}{suffix}", shape_t, lambda w, f=first: _transposed(w[..., f::2])))
+    return parts
+
+
+def _transposed(w: np.ndarray) -> np.ndarray:
+    """[E, in, out] (`x @ W`) -> [E, out, in], llama.cpp's expert matrices (its ne order is the reverse)."""
+    return np.ascontiguousarray(w.transpose(0, 2, 1))

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from bitsandbytes.functional import QuantState, create_dynamic_map, get_4bit_type
 from torch import nn
 
-from slimtune.models.experts import EXPERT_CLASSES, HELD, per_expert_lora_key
+from slimtune.models.experts import EXPERT_CLASSES, HELD, per_expert_lora_key, stored_projections
 
 BLOCKSIZE = 64  # NF4 block, as bitsandbytes' default and QLoRA's
 _BLOCKSIZE2 = 256  # blocks of absmax values that bitsandbytes' double quantization uses
@@ -210,6 +210,7 @@ class NF4Experts(nn.Module):
         gate_fn: Callable[[torch.Tensor], torch.Tensor],
         transposed: bool,
         biases: tuple[torch.Tensor, torch.Tensor] | None,
+        stored: dict[str, tuple[str, ...]] = HELD,
     ) -> None:
         super().__init__()
         self.gate_up = gate_up
@@ -217,6 +218,7 @@ class NF4Experts(nn.Module):
         self.gate_fn = gate_fn
         self.transposed = transposed
         self.num_experts = gate_up.num_experts
+        self.stored = stored  # the names each projection's expert LoRA is saved under (`stored_projections`)
         if biases is not None:
             self.register_buffer("gate_up_bias", biases[0])
             self.register_buffer("down_bias", biases[1])
@@ -247,7 +249,7 @@ class NF4Experts(nn.Module):
         for param in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
             if hasattr(module, param):
                 setattr(module, param, None)
-        return cls(gate_up, down, gate_fn, transposed, biases)
+        return cls(gate_up, down, gate_fn, transposed, biases, stored_projections(name))
 
     def _features(self, weights: NF4ExpertWeights | NF4ExpertRows) -> tuple[int, int]:
         """(in, out) of a projection, whichever way round its storage is."""
@@ -351,12 +353,14 @@ def expert_lora_checkpoint(model: nn.Module) -> dict[str, torch.Tensor]:
     """The experts' LoRA of `model` (a peft model) as peft would save LoRA on per-expert linears, under the
     checkpoint's names (`slimtune.models.experts`): gate_up's B split into gate and up rows and its A given to
     both (B_gate A and B_up A are exactly gate_up's delta). The merge then applies them to the checkpoint's
-    per-expert tensors like any other LoRA; peft's own save leaves them out (NF4Experts is not a tuner layer)."""
+    per-expert tensors like any other LoRA; peft's own save leaves them out (NF4Experts is not a tuner layer).
+    gpt-oss stores gate_up fused, so its factors are saved whole per expert (`<block>.<e>.gate_up_proj`, B's rows
+    in the fused, interleaved order) and the merge stacks them onto the fused tensor."""
     out = {}
     for block, module in _lora_blocks(model):
         for projection in module.lora_projections():
             a, b = getattr(module, f"{projection}_lora_A"), getattr(module, f"{projection}_lora_B")
-            held = HELD[projection]
+            held = module.stored[projection]
             for e in range(module.num_experts):
                 for proj, b_rows in zip(held, b[e].chunk(len(held))):
                     # clones: safetensors refuses tensors that share memory (B's halves, A given twice)
@@ -377,7 +381,7 @@ def load_expert_lora(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     for block, module in _lora_blocks(model):
         found = False
         for projection in module.lora_projections():
-            held = HELD[projection]
+            held = module.stored[projection]
             rows = {
                 half: [
                     [tensors.get(per_expert_lora_key(block, e, p, half)) for p in held]
@@ -404,7 +408,4 @@ def load_expert_lora(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
 
 def _lora_blocks(model: nn.Module) -> list[tuple[str, NF4Experts]]:
     """(name, module) of every NF4Experts of `model` that carries LoRA."""
-    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, NF4Experts) and m.lora_projections()]
-    if any(m.transposed for _, m in blocks):  # gpt-oss interleaves gate and up rows: no per-expert split yet
-        raise NotImplementedError("saving LoRA on gpt-oss experts (interleaved gate_up) is not defined")
-    return blocks
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, NF4Experts) and m.lora_projections()]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from slimtune.models.experts import HELD, expert_count
-from slimtune.models.families import family_of, text_fields
+from slimtune.models.families import Family, family_of, text_fields
 from slimtune.models.family_configs import full_attention_head_dim, gemma4_sliding_layers, linear_attention_layers
 
 _MLP = tuple(p for held in HELD.values() for p in held)  # an MoE's per-expert projections
@@ -140,7 +140,7 @@ def model_shape(cfg: dict[str, Any]) -> ModelShape:
     if model_type == "qwen3_5_text":
         return _qwen35_layers(text, shape)
     if family is not None and family.experts:
-        return _moe_layers(text, shape)
+        return _moe_layers(text, shape, family)
     return _gemma4_layers(text, shape) if model_type == "gemma4_text" else shape
 
 
@@ -206,14 +206,20 @@ def _qwen35_layers(text: dict[str, Any], shape: ModelShape) -> ModelShape:
     return replace(shape, layer_linears=tuple(layers), other_small=small)
 
 
-def _moe_layers(text: dict[str, Any], shape: ModelShape) -> ModelShape:
-    """Qwen3-MoE's layers: attention, then `num_experts` experts of moe_intermediate_size (held in NF4 by
-    `slimtune.kernels.nf4_experts`) behind a 16-bit router of num_experts x hidden weights."""
-    experts = expert_count(text)
+def _moe_layers(text: dict[str, Any], shape: ModelShape, family: Family) -> ModelShape:
+    """An MoE's layers: attention, then `num_experts` experts of moe_intermediate_size (Qwen3-MoE; gpt-oss's are
+    intermediate_size wide) held in NF4 by `slimtune.kernels.nf4_experts`, behind a 16-bit router of num_experts x
+    hidden weights. gpt-oss adds 16-bit biases to every expert (gate_up's 2I, down's H), the router and o_proj, and
+    one attention sink per head."""
+    experts, h = expert_count(text), shape.hidden
+    inter = int(text.get("moe_intermediate_size") or text["intermediate_size"])
+    per_layer = experts * h
+    if family.fused_experts:
+        per_layer += experts * (2 * inter + h) + experts + h + shape.heads
     return replace(
         shape,
-        intermediate=int(text["moe_intermediate_size"]),
+        intermediate=inter,
         experts=experts,
         experts_per_token=int(text["num_experts_per_tok"]),
-        other_small=shape.other_small + shape.layers * experts * shape.hidden,
+        other_small=shape.other_small + shape.layers * per_layer,
     )

@@ -26,7 +26,9 @@ _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>embedding_)?(?P<ab>[AB])
 
 @dataclass(frozen=True)
 class LoraFactor:
-    """W_merged = W + scale * (B @ A), transposed for embeddings and `fan_in_fan_out` (Conv1D) layers."""
+    """W_merged = W + scale * (B @ A), transposed for embeddings and `fan_in_fan_out` (Conv1D) layers. A and B may
+    carry a leading expert dimension ([E, r, in], [E, out, r]) for a stack of expert matrices
+    (`slimtune.merge.fused_experts`); the delta is then one product per expert."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -34,15 +36,15 @@ class LoraFactor:
     transpose: bool
 
     @property
-    def shape(self) -> tuple[int, int]:
-        rows, cols = self.b.shape[0], self.a.shape[1]
-        return (cols, rows) if self.transpose else (rows, cols)
+    def shape(self) -> tuple[int, ...]:
+        rows, cols, experts = self.b.shape[-2], self.a.shape[-1], tuple(self.b.shape[:-2])
+        return (*experts, cols, rows) if self.transpose else (*experts, rows, cols)
 
     def delta(self, device: torch.device | str) -> torch.Tensor:
         """The fp32 delta on `device`, computed as peft does: (B @ A) * scale."""
         d = self.b.to(device, torch.float32) @ self.a.to(device, torch.float32)
         if self.transpose:
-            d = d.T.contiguous()
+            d = d.transpose(-2, -1).contiguous()
         return d.mul_(self.scale)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from slimtune.models.experts import EXPERT_CLASSES, HELD, per_expert_name
+from slimtune.models.experts import EXPERT_CLASSES, FUSED_STORED, HELD, per_expert_name
 
 _STORAGE = {
     "uint8": torch.uint8,
@@ -106,12 +106,21 @@ def quantized_tensor_names(base_dir: Path, spec: QuantSpec) -> set[str]:
     # and every expert matrix, which load_4bit quantizes itself (slimtune.kernels.nf4_experts), as stored
     experts = [(n, m) for n, m in model.named_modules() if type(m).__name__ in EXPERT_CLASSES]
     projections = [p for held in HELD.values() for p in held]
-    return names | {per_expert_name(n, e, p) for n, m in experts for e in range(m.num_experts) for p in projections}
+    for n, m in experts:
+        if type(m).__name__ in FUSED_STORED:  # gpt-oss: the stored 3-D tensors, each expert's matrix on its own
+            names |= {f"{n}.{projection}_proj" for projection in HELD}
+        else:
+            names |= {per_expert_name(n, e, p) for e in range(m.num_experts) for p in projections}
+    return names
 
 
 def roundtrip(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Quantize then dequantize `w` on its device; returns the dequantized weight in the load dtype."""
+    """Quantize then dequantize `w` on its device; returns the dequantized weight in the load dtype. A 3-D `w` is
+    a stack of expert matrices (gpt-oss's fused experts), each quantized on its own as `NF4Experts` holds them."""
     import bitsandbytes.functional as bf
+
+    if w.dim() == 3:
+        return torch.stack([roundtrip(matrix, spec) for matrix in w])
 
     if spec.dtype is not None:
         w = w.to(_FLOATS[spec.dtype])

@@ -11,6 +11,9 @@ import json
 
 import torch
 
+from slimtune.models.mxfp4 import BLOCKS
+
+from .mxfp4_stored import DTYPE, dequantize_pair
 from .safetensors_io import NAMES, TensorEntry, as_tensor, read_raw
 
 _AUX = (
@@ -57,8 +60,12 @@ def split_stored_4bit(entries: list[TensorEntry]) -> tuple[list[TensorEntry], di
 
 
 def dequantize_stored(parts: dict[str, TensorEntry], device: str) -> torch.Tensor:
-    """The stored 4-bit weight dequantized on `device`, in its recorded dtype, as the trained model saw it."""
+    """The stored 4-bit weight dequantized on `device`, in its recorded dtype, as the trained model saw it; or an
+    MXFP4 pair's fused experts (`slimtune.merge.mxfp4_stored`), in bf16."""
     import bitsandbytes.functional as bf
+
+    if BLOCKS in parts:
+        return dequantize_pair(parts, DTYPE, device)
 
     packed = parts[PACKED]
     tensors = {k: as_tensor(read_raw(e), e.dtype, e.shape) for k, e in parts.items() if k != PACKED}

@@ -18,8 +18,10 @@ from slimtune.models.multimodal import checkpoint_names, copied_keys, layout_of
 from slimtune.models.source import config_dtype
 
 from .errors import AlreadyMergedError, MergeError
+from .fused_experts import stack_fused_experts
 from .lora_delta import ADAPTER_FILES, check_against_base, load_adapter
 from .manifest import MANIFEST, MARKER, adapter_digest, hash_files, read_manifest, reusable, write_manifest
+from .mxfp4_stored import split_mxfp4
 from .nf4 import QuantSpec, quantized_tensor_names
 from .prequantized import is_prequantized, split_stored_4bit
 from .safetensors_io import DTYPES, FLOAT16_32, INDEX, TensorEntry, checkpoint_shards, read_entries
@@ -143,11 +145,13 @@ def merge_adapter(
     shards_in, entries = _base_checkpoint(base_dir)
     prequantized = is_prequantized(config)
     entries, stored_4bit = split_stored_4bit(entries) if prequantized else (entries, {})
+    entries, mxfp4 = split_mxfp4(entries)  # gpt-oss's released experts: merged onto their bf16 dequantization
+    stored_4bit |= mxfp4
     # a multimodal checkpoint's language model was trained alone: its names -> the checkpoint's keys; every other
     # tensor (vision tower, projector, mtp) is copied through as stored
     names = checkpoint_names(e.name for e in entries) if layout_of(config) is not None else {}
     kept = frozenset(copied_keys(config, (e.name for e in entries)))
-    adapter = load_adapter(adapter_dir).renamed(names)
+    adapter = stack_fused_experts(load_adapter(adapter_dir).renamed(names), {e.name: e for e in entries})
     check_against_base(adapter, {e.name: e for e in entries})
     source_used = _resolve_source(source, prequantized, entries, base_dir)
     out_dtype = _output_dtype(config, entries, output_dtype)

@@ -1,11 +1,13 @@
 """Where a mixture-of-experts checkpoint keeps its experts, and where transformers 5 puts them.
 
-Checkpoints (the Hub's, and what transformers 5's save_pretrained writes for Qwen3-MoE) store each expert
+Qwen3-MoE checkpoints (the Hub's, and what transformers 5's save_pretrained writes) store each expert
 matrix under its own key, `<block>.<e>.{gate,up,down}_proj.weight` with `<block>` a layer's `mlp.experts`.
 transformers 5 loads them fused into two 3-D parameters per layer: `<block>.gate_up_proj` [E, 2I, H] (each
 expert's gate rows, then its up rows) and `<block>.down_proj` [E, H, I]. The checks compare the stored
 tensors with the fused model, the adapter is saved per expert (as peft would save LoRA on per-expert
-linears, so the merge applies it like any other LoRA), and the GGUF stacks them again.
+linears, so the merge applies it like any other LoRA), and the GGUF stacks them again. gpt-oss checkpoints store
+the fused tensors themselves (`FUSED_STORED`); their adapter is saved per expert of the fused tensor
+(`<block>.<e>.gate_up_proj`), which the merge stacks back onto it (`slimtune.merge.fused_experts`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from typing import NamedTuple
 
 # transformers 5's fused experts modules that `slimtune.kernels.nf4_experts.NF4Experts` replaces
 EXPERT_CLASSES = ("Qwen3MoeExperts", "GptOssExperts")
+# Those whose checkpoints store the fused tensors as the model holds them: gpt-oss's `<block>.gate_up_proj`
+# [E, H, 2I] (`x @ W`, gate and up interleaved by column), `<block>.down_proj` [E, I, H] and their biases; the
+# released ones in MXFP4 (`<block>.gate_up_proj_blocks` / `_scales`, `slimtune.models.mxfp4`).
+FUSED_STORED = ("GptOssExperts",)
 PER_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<tail>.+)$")
 # each fused projection (`<block>.<name>_proj`) -> the stored projections it holds, in row order
 HELD = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
@@ -70,3 +76,11 @@ def fused_shapes(stored: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, tup
             if all(parts):  # the held matrices stacked by rows: gate's, then up's
                 fused[f"{block}.{projection}_proj"] = (count, sum(p[0] for p in parts), *parts[0][1:])
     return fused
+
+
+def stored_projections(class_name: str) -> dict[str, tuple[str, ...]]:
+    """Each fused projection of an experts class -> the names its expert LoRA is saved under, in row order: the
+    checkpoint's per-expert projections (Qwen3-MoE: gate_proj, up_proj), or the fused one itself (gpt-oss)."""
+    if class_name in FUSED_STORED:
+        return {projection: (f"{projection}_proj",) for projection in HELD}
+    return HELD

@@ -24,6 +24,8 @@ from slimtune.models.family_configs import (
     gemma4_check,
     gemma4_hparams,
     gemma_attention_scale,
+    gpt_oss_check,
+    gpt_oss_hparams,
     granite_check,
     granite_hparams,
     phi3_check,
@@ -63,6 +65,9 @@ class Family:
     # Mixture of experts (Qwen3-MoE): the MLP projections are every expert's, held per layer by one
     # `slimtune.kernels.nf4_experts.NF4Experts`, which takes their LoRA itself (peft does not reach 3-D tensors)
     experts: bool = False
+    # gpt-oss: the checkpoint stores each layer's experts as the model holds them (`<block>.gate_up_proj` [E, in, 2I],
+    # gate and up interleaved by column, with biases), not per expert (`slimtune.models.experts.FUSED_STORED`)
+    fused_experts: bool = False
     # The projection whose output is only summed into the residual stream (no norm reads it), so a
     # checkpointing recompute may skip computing it; None where a post-norm reads it (Gemma 2/3, OLMo 2).
     layer_output: str | None = "mlp.down_proj"
@@ -73,6 +78,9 @@ class Family:
     layer_norms: int = 2  # RMSNorms per decoder layer besides q/k norms (Gemma 2/3 add post-norms: 4)
     sliding_window_kwarg: bool = False  # the attention forward passes `sliding_window` on
     sdpa: bool = True  # transformers runs it through SDPA (Gemma 2: no, SDPA has no soft-capping)
+    # learned per-head attention sinks (gpt-oss): transformers passes them to eager and flex attention; flash-attn 2
+    # and slimtune's varlen attention would drop them silently, so "auto" attention stays eager
+    attention_sinks: bool = False
     gguf_arch: gguf.MODEL_ARCH = gguf.MODEL_ARCH.LLAMA
     permute_qk: bool = False  # llama.cpp's LLAMA-style rope wants q/k rows interleaved, not halves
     gguf_hparams: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # extra GGUF keys ({arch} form)
@@ -172,6 +180,41 @@ _ROWS = (
         check_config=qwen3_moe_check,
         tokenizer_pre="qwen2",
         chat_template="chatml",
+    ),
+    Family(
+        "gpt_oss",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        # 4 layers alternating sliding (window 16, so the test prompts slide) and full attention, 8 experts with 2
+        # per token (gpt-oss-20b: 32 and 4) 256 wide for the GGUF k-quants; plain rope (the released yarn is
+        # converted by `_add_rope_scaling`); biases on the experts random, as trained ones are (init: zeros).
+        tiny={
+            "head_dim": 64,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 256,
+            "sliding_window": 16,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
+        },
+        kernels=("fused_linear_ce", "lora_nf4", "host_embedding"),
+        eager={
+            "rms_norm": "the norms multiply by the weight before casting back (kept in fp32)",
+            "rope": "attention adds learned sinks (s_aux), which the patched attention forward does not pass on",
+            "swiglu": "the experts' gate and up are one interleaved 3-D tensor, run by slimtune.kernels.nf4_experts",
+            "geglu": _NOT_GELU,
+        },
+        experts=True,
+        fused_experts=True,
+        layer_output=None,  # a layer's MLP output is the routed experts' weighted sum, not one linear
+        qkv_bias=True,  # and o_proj's
+        sliding_window_kwarg=True,
+        sdpa=False,  # transformers runs gpt-oss's sinks in eager (or flash/flex) attention only
+        attention_sinks=True,
+        gguf_arch=gguf.MODEL_ARCH.GPT_OSS,
+        gguf_hparams=gpt_oss_hparams,
+        check_config=gpt_oss_check,
+        tokenizer_pre="gpt-4o (o200k_harmony)",
+        chat_template="gpt-oss (harmony)",
     ),
     Family(
         "qwen3_5_text",

@@ -277,3 +277,29 @@ def qwen3_moe_check(config: dict[str, Any]) -> str | None:
     if config.get("use_sliding_window") and config.get("sliding_window"):
         return "use_sliding_window: llama.cpp's qwen3moe attends to the whole context"
     return None
+
+
+def gpt_oss_hparams(config: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's gpt-oss (its openai-moe loader) reads: the expert counts and width (gpt-oss's experts are
+    `intermediate_size` wide), the sliding window and the per-layer window pattern (transformers' layer_types)."""
+    return {
+        gguf.Keys.LLM.EXPERT_COUNT: expert_count(config),
+        gguf.Keys.LLM.EXPERT_USED_COUNT: int(config["num_experts_per_tok"]),
+        gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH: int(config["intermediate_size"]),
+        gguf.Keys.Attention.SLIDING_WINDOW: int(config["sliding_window"]),
+        gguf.Keys.Attention.SLIDING_WINDOW_PATTERN: _layer_types(config, lambda i: (i + 1) % 2 == 1),
+    }
+
+
+def gpt_oss_check(config: dict[str, Any]) -> str | None:
+    """What llama.cpp's gpt-oss (0.3.36, src/models/openai-moe.cpp) cannot reproduce: its clamped SwiGLU has alpha
+    1.702 and limit 7.0 compiled in, its attention needs biases and a head width equal to the rotary width, and
+    it has no full-attention-only variant (the window is read for the sliding layers)."""
+    alpha, limit = float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0))
+    if (alpha, limit) != (1.702, 7.0):
+        return f"swiglu_alpha {alpha} / swiglu_limit {limit}: llama.cpp's gpt-oss computes with 1.702 / 7.0"
+    if config.get("attention_bias") is False:
+        return "attention_bias is false: llama.cpp's gpt-oss loads attention biases"
+    if not config.get("sliding_window"):
+        return "no sliding_window: llama.cpp's gpt-oss reads one for its sliding layers"
+    return None

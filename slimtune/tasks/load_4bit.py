@@ -43,6 +43,8 @@ class LoadResult:
 def _attn_implementation(requested: str, model_type: str) -> str:
     if requested != "auto":
         return requested
+    if FAMILIES[model_type].attention_sinks:  # flash-attn 2 drops gpt-oss's sinks without a word
+        return "eager"
     # transformers refuses SDPA for some families (Gemma 2: SDPA has no soft-capping): eager there
     fallback = "sdpa" if FAMILIES[model_type].sdpa else "eager"
     try:
@@ -132,6 +134,18 @@ class _HeldLoadReport(logging.Filter):
         return True
 
 
+def _without_mxfp4(model_dir: Path) -> dict[str, Any]:
+    """`config=` without the MXFP4 quantization_config of gpt-oss's released checkpoints (transformers refuses a
+    BitsAndBytesConfig beside it): only their experts are MXFP4, and load_nf4_experts reads those."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if (getattr(config, "quantization_config", None) or {}).get("quant_method") != "mxfp4":
+        return {}
+    del config.quantization_config
+    return {"config": config}
+
+
 @contextmanager
 def _load_report_held(hold: bool) -> Iterator[None]:
     """Around one `from_pretrained` of a multimodal checkpoint's language model or of an MoE built without its
@@ -202,6 +216,7 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
     on_host = loads_on_host(spec, device)
     load_device = torch.device("cpu") if on_host else device
     multimodal = text_model_load_kwargs(model_dir)  # a multimodal checkpoint: its language model, no vision tower
+    mxfp4 = _without_mxfp4(model_dir) if FAMILIES[plan.family].fused_experts else {}
     family = FAMILIES[plan.family]
     # an MoE: built without its 16-bit experts, which load_nf4_experts quantizes one layer at a time after the load
     loader = (
@@ -219,6 +234,7 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
             attn_implementation=_attn_implementation(spec.model.attn_implementation, plan.family),
             output_loading_info=True,
             **multimodal,
+            **mxfp4,
         )
     if multimodal or family.experts:
         _report_unloaded(model_dir, loading_info, fused_names(model))

@@ -11,6 +11,7 @@ from slimtune.data import BatchMode
 from slimtune.models.families import SUPPORTED_MODEL_TYPES
 from slimtune.train.step.attention import VARLEN
 from slimtune.train.step.linear_attention import isolate_documents
+from slimtune.train.step.packed_masks import mask_documents
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ class Batching:
 def choose_batching(model: torch.nn.Module, requested: BatchMode) -> Batching:
     """Packed or padding-free where the model's attention isolates examples, padded otherwise.
 
-    Packed rows get a model's linear-attention layers run one document at a time (`isolate_documents`, for the
-    model's lifetime: padded inputs go through those layers unchanged)."""
+    Packed rows get a model's linear-attention layers restarted at each document (`isolate_documents`, for the
+    model's lifetime: padded inputs go through those layers unchanged), and masks built from the position ids
+    where the model builds them without (`mask_documents`)."""
     if requested == "padded":
         return Batching("padded", False)
     config = model.config
@@ -57,6 +59,7 @@ def choose_batching(model: torch.nn.Module, requested: BatchMode) -> Batching:
         log.warning("data.packing %s falls back to padded batches: %s", requested, reason)
         return Batching("padded", False, reason)
     isolate_documents(model)
+    mask_documents(model)  # gpt-oss builds its masks without the position ids
     return Batching(requested, attn in _VARLEN)
 
 

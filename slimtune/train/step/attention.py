@@ -127,6 +127,8 @@ def _config_reason(get: Callable[[str], Any]) -> str | None:
     sliding = "sliding_attention" in types or get("sliding_window")
     if sliding and not (family and family.sliding_window_kwarg):
         return "sliding-window layers whose attention does not pass its window on"
+    if family and family.attention_sinks:
+        return "learned attention sinks, which varlen attention does not add"
     if get("attn_logit_softcapping") or (get("head_dim") or 0) > 256:
         return "logit soft-capping or head_dim over 256"
     return None
