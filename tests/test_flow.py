@@ -176,6 +176,9 @@ def test_cleanup_frees_the_model_after_an_oom_retry(prefect_harness, tmp_path, m
     spec = _tiny_spec(tmp_path, max_steps=2)
     spec.train.precision = "bf16"  # as on a GPU: accelerate wraps the model's forward in autocast
     spec.merge.enabled, spec.export.gguf, spec.data.eval_fraction = False, [], 0.0
+    # 64-token rows: nothing here depends on the row length, and a CPU bf16 step of 4 rows of 256 tokens took
+    # 6-14 s on 2 loaded cores (autocast, NF4 dequantized to bf16 per matmul)
+    spec.data.max_seq_length = 64
     models: list[weakref.ref] = []
     keep_layout = load_4bit_mod.keep_training_layout
 

@@ -20,8 +20,12 @@ import httpx
 import pytest
 from prefect_server import Server, start_server
 
+# With --on-go it imports first and takes the slot on the first line of its stdin, so that its imports (10-25 s on a
+# busy 2-core machine) overlap the wait for the lease's revocation instead of following it.
 _TAKE = """import sys
 from slimtune.flows.gpu_slots import gpu_concurrency
+if sys.argv[1:] == ["--on-go"]:
+    sys.stdin.readline()
 with gpu_concurrency("gpu"):
     print("held", flush=True)
     sys.stdin.read()
@@ -43,14 +47,24 @@ def _active_slots(server: Server) -> int:
 
 
 class _Taker:
-    """A process that takes the slot and says "held"; its stdout is read on one thread (readline blocks)."""
+    """A process that takes the slot (at once, or on `go` with on_go) and says "held"; its stdout is read on one
+    thread (readline blocks)."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, on_go: bool = False) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _TAKE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=server.env
+            [sys.executable, "-c", _TAKE, *(["--on-go"] if on_go else [])],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=server.env,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
+
+    def go(self) -> None:
+        """Take the slot now (a taker started with on_go)."""
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
 
     def held(self, timeout: float) -> bool:
         """Whether it said "held" within `timeout` seconds."""
@@ -72,11 +86,12 @@ def test_paused_holder_keeps_the_gpu_slot(server, observe):
         assert holder.held(120), "the holder did not get the free slot"
         os.kill(holder.proc.pid, signal.SIGSTOP)
         stopped = time.monotonic()
+        second = _Taker(server, on_go=True)  # it imports while the lease runs out; it asks for the slot on go()
         while _active_slots(server) and time.monotonic() - stopped < _REVOKE_WAIT_S:
             time.sleep(1.0)
         revoked = time.monotonic() - stopped
         assert _active_slots(server) == 0, f"the server did not revoke the paused holder's lease in {revoked:.0f} s"
-        second = _Taker(server)
+        second.go()
         assert not second.held(_BLOCKED_S), "a second run took the GPU slot of a live, paused holder"
         holder.proc.kill()
         holder.proc.wait()

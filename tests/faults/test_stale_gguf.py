@@ -7,9 +7,11 @@ are also moved to `gguf.previous/`, so `gguf/` (and a push of it) holds one run'
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import yaml
-from faultlib import leftovers, run_finetune, spec_dict
+from faultlib import BASE_SPEC, leftovers, run_finetune, spec_dict
 
 
 @pytest.mark.fault(
@@ -43,11 +45,14 @@ def test_generate_ignores_gguf_files_of_an_earlier_run(tmp_path, observe):
     stage="gguf_convert_and_push",
     expect="the GGUF files the new list no longer produces are moved to gguf.previous/; gguf/ holds this run's only",
 )
-def test_rerun_with_another_export_list_moves_the_old_gguf_aside(tmp_path, prefect_harness, observe):
+def test_rerun_with_another_export_list_moves_the_old_gguf_aside(reference_run, tmp_path, prefect_harness, observe):
     from slimtune.inference.generate import pick_gguf
 
     run_dir = tmp_path / "faults"
-    run_finetune(spec_dict(tmp_path, export={"gguf": ["f16"], "verify": False}))
+    # The first run is the session's reference run, whose spec exports one f16 GGUF unverified: its run directory,
+    # copied, rather than a second training of the same spec (~20 s on 2 loaded cores)
+    assert BASE_SPEC["export"] == {"gguf": ["f16"], "verify": False}
+    shutil.copytree(reference_run["run_dir"], run_dir)
     first = sorted(p.name for p in (run_dir / "gguf").glob("*.gguf"))
     run_finetune(spec_dict(tmp_path, export={"gguf": ["q8_0"], "verify": False}))
     now = sorted(p.name for p in (run_dir / "gguf").glob("*.gguf"))
