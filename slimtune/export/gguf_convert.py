@@ -123,20 +123,7 @@ def convert_hf_to_gguf(
         n_vocab = next(p.shape[0] for p in plan if p.name == "token_embd.weight")
         _add_hparams(writer, config, family, _model_name(name or model_dir.name), file_type, n_vocab)
         add_tokenizer(writer, model_dir, n_vocab, strict=not tokenizer_as_is)
-        need = 0
-        for p in plan:
-            block, block_bytes = gguf.GGML_QUANT_SIZES[p.qtype]
-            n_bytes = math.prod(p.shape) // block * block_bytes
-            need += n_bytes
-            writer.add_tensor_info(p.name, p.shape, np.dtype(np.float32), n_bytes, raw_dtype=p.qtype)
-        free = shutil.disk_usage(out_path.parent).free
-        if need > free:  # tensor data alone; the header (vocab, merges) adds well under 1% more
-            raise OSError(
-                errno.ENOSPC,
-                f"not enough disk space for {out_path}: the tensors need "
-                f"{need / 1e9:.2f} GB, {free / 1e9:.2f} GB is free there; free space or point "
-                "output_dir at a larger disk",
-            )
+        need = add_tensor_infos(writer, [(p.name, p.shape, p.qtype) for p in plan], out_path)
         tmp_files = writer.format_shard_names(tmp_dir / out_path.name)
         try:
             writer.write_header_to_file()
@@ -159,6 +146,29 @@ def convert_hf_to_gguf(
         writer.close()
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return final
+
+
+def add_tensor_infos(writer: gguf.GGUFWriter, tensors: list[tuple[str, tuple[int, ...], Q]], out_path: Path) -> int:
+    """Declare each (name, shape, type) in `writer`'s header and return their data bytes, after checking the disk
+    holding `out_path` has them (the header, vocabulary included, adds well under 1% more).
+
+    Raises:
+        OSError: ENOSPC, naming the file, the bytes needed and the bytes free.
+    """
+    need = 0
+    for name, shape, qtype in tensors:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        n_bytes = math.prod(shape) // block * block_bytes
+        need += n_bytes
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), n_bytes, raw_dtype=qtype)
+    free = shutil.disk_usage(out_path.parent).free
+    if need > free:
+        raise OSError(
+            errno.ENOSPC,
+            f"not enough disk space for {out_path}: the tensors need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB is "
+            "free there; free space or point output_dir at a larger disk",
+        )
+    return need
 
 
 def _encode(data: np.ndarray, qtype: Q) -> np.ndarray:

@@ -14,7 +14,6 @@ projector types in llama.cpp, not written here yet.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -28,7 +27,7 @@ import gguf
 import numpy as np
 
 from slimtune.core import atomic
-from slimtune.export.gguf_convert import _add_value, _encode, _loader, _safetensors_keys
+from slimtune.export.gguf_convert import _add_value, _encode, _loader, _safetensors_keys, add_tensor_infos
 from slimtune.export.gguf_header import read_header
 from slimtune.export.gguf_verify import _THREADS, GGUFVerifyError, check_complete, load_llama
 from slimtune.models.multimodal import text_key
@@ -101,19 +100,7 @@ def convert_mmproj_to_gguf(model_dir: Path, out_path: Path, *, name: str | None 
         writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
         for key, value in hparams.items():
             _add_value(writer, key, value)  # image mean / std: float32 arrays, as clip.cpp reads them
-        need = 0
-        for t in tensors:
-            block, block_bytes = gguf.GGML_QUANT_SIZES[t.qtype]
-            n_bytes = math.prod(t.shape) // block * block_bytes
-            need += n_bytes
-            writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), n_bytes, raw_dtype=t.qtype)
-        free = shutil.disk_usage(out_path.parent).free
-        if need > free:
-            raise OSError(
-                errno.ENOSPC,
-                f"not enough disk space for {out_path}: its tensors need {need / 1e9:.2f} GB, "
-                f"{free / 1e9:.2f} GB is free there; free space or point output_dir at a larger disk",
-            )
+        add_tensor_infos(writer, [(t.name, t.shape, t.qtype) for t in tensors], out_path)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
