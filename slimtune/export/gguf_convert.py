@@ -123,40 +123,27 @@ def convert_hf_to_gguf(
         n_vocab = next(p.shape[0] for p in plan if p.name == "token_embd.weight")
         _add_hparams(writer, config, family, _model_name(name or model_dir.name), file_type, n_vocab)
         add_tokenizer(writer, model_dir, n_vocab, strict=not tokenizer_as_is)
-        need = add_tensor_infos(writer, [(p.name, p.shape, p.qtype) for p in plan], out_path)
-        tmp_files = writer.format_shard_names(tmp_dir / out_path.name)
-        try:
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_ti_data_to_file()
-            for p in plan:
-                writer.write_tensor_data(_encode(p.source(), p.qtype))
-            writer.close()
-        except OSError as e:  # e.g. the disk filled up while writing: say where and how much was needed
-            free = shutil.disk_usage(out_path.parent).free
-            raise OSError(
-                e.errno,
-                f"writing {out_path} failed ({e}); it needs {need / 1e9:.2f} GB and "
-                f"{free / 1e9:.2f} GB is free there; nothing was published",
-            ) from e
-        final = [out_path.parent / f.name for f in tmp_files]
-        for tmp, dst in zip(tmp_files, final):
-            os.replace(tmp, dst)
+        return write_tensors(writer, [(p.name, p.shape, p.qtype, p.source) for p in plan], out_path, tmp_dir)
     finally:
         writer.close()
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    return final
 
 
-def add_tensor_infos(writer: gguf.GGUFWriter, tensors: list[tuple[str, tuple[int, ...], Q]], out_path: Path) -> int:
-    """Declare each (name, shape, type) in `writer`'s header and return their data bytes, after checking the disk
-    holding `out_path` has them (the header, vocabulary included, adds well under 1% more).
+def write_tensors(
+    writer: gguf.GGUFWriter,
+    tensors: list[tuple[str, tuple[int, ...], Q, Callable[[], np.ndarray]]],
+    out_path: Path,
+    tmp_dir: Path,
+) -> list[Path]:
+    """Write `writer`'s file(s) under `tmp_dir` with each (name, shape, type, load) tensor, loaded and encoded one
+    at a time, then move them beside `out_path`; returns the published paths. The disk is checked for the tensor
+    data first (the header, vocabulary included, adds well under 1% more).
 
     Raises:
-        OSError: ENOSPC, naming the file, the bytes needed and the bytes free.
+        OSError: ENOSPC before writing, or any write error, naming the file, the bytes needed and the bytes free.
     """
     need = 0
-    for name, shape, qtype in tensors:
+    for name, shape, qtype, _ in tensors:
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         n_bytes = math.prod(shape) // block * block_bytes
         need += n_bytes
@@ -168,7 +155,25 @@ def add_tensor_infos(writer: gguf.GGUFWriter, tensors: list[tuple[str, tuple[int
             f"not enough disk space for {out_path}: the tensors need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB is "
             "free there; free space or point output_dir at a larger disk",
         )
-    return need
+    tmp_files = writer.format_shard_names(tmp_dir / out_path.name)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for _, _, qtype, load in tensors:
+            writer.write_tensor_data(_encode(load(), qtype))
+        writer.close()
+    except OSError as e:  # e.g. the disk filled up while writing: say where and how much was needed
+        free = shutil.disk_usage(out_path.parent).free
+        raise OSError(
+            e.errno,
+            f"writing {out_path} failed ({e}); it needs {need / 1e9:.2f} GB and "
+            f"{free / 1e9:.2f} GB is free there; nothing was published",
+        ) from e
+    final = [out_path.parent / f.name for f in tmp_files]
+    for tmp, dst in zip(tmp_files, final):
+        os.replace(tmp, dst)
+    return final
 
 
 def _encode(data: np.ndarray, qtype: Q) -> np.ndarray:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import gguf
 import numpy as np
 
 from slimtune.core import atomic
-from slimtune.export.gguf_convert import _add_value, _encode, _loader, _safetensors_keys, add_tensor_infos
+from slimtune.export.gguf_convert import _add_value, _loader, _safetensors_keys, write_tensors
 from slimtune.export.gguf_header import read_header
 from slimtune.export.gguf_verify import _THREADS, GGUFVerifyError, check_complete, load_llama
 from slimtune.models.multimodal import text_key
@@ -100,18 +99,11 @@ def convert_mmproj_to_gguf(model_dir: Path, out_path: Path, *, name: str | None 
         writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
         for key, value in hparams.items():
             _add_value(writer, key, value)  # image mean / std: float32 arrays, as clip.cpp reads them
-        add_tensor_infos(writer, [(t.name, t.shape, t.qtype) for t in tensors], out_path)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t in tensors:
-            writer.write_tensor_data(_encode(t.load(), t.qtype))
-        writer.close()
-        os.replace(tmp_dir / out_path.name, out_path)
+        [path] = write_tensors(writer, [(t.name, t.shape, t.qtype, t.load) for t in tensors], out_path, tmp_dir)
     finally:
         writer.close()
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    return out_path
+    return path
 
 
 def _hparams(model_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
