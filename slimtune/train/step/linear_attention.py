@@ -25,7 +25,9 @@ captured batch's.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -49,6 +51,8 @@ def isolate_documents(model: torch.nn.Module) -> KernelPatch:
     patch = KernelPatch()
     if "linear_attention" not in (getattr(model.config, "layer_types", None) or ()):
         return patch  # no recurrent layer: nothing to keep apart, nothing to import
+    from transformers.activations import ACT2FN
+    from transformers.models.qwen3_5 import modeling_qwen3_5
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, Qwen3_5TextModel
 
     for text_model in [m for m in model.modules() if isinstance(m, Qwen3_5TextModel)]:
@@ -58,7 +62,8 @@ def isolate_documents(model: torch.nn.Module) -> KernelPatch:
         hook = text_model.register_forward_pre_hook(functools.partial(_record, documents), with_kwargs=True)
         patch.on_undo(hook.remove)
         for mixer in [m for m in text_model.modules() if isinstance(m, Qwen3_5GatedDeltaNet)]:
-            replace_forward(mixer, _packed, patch, documents=documents)
+            act = ACT2FN[mixer.activation]
+            replace_forward(mixer, _packed, patch, documents=documents, modeling=modeling_qwen3_5, act=act)
         setattr(text_model, _MARK, True)
         patch.on_undo(lambda text_model=text_model: delattr(text_model, _MARK))
     return patch
@@ -79,6 +84,8 @@ def _packed(
     cache_params=None,
     attention_mask: torch.Tensor | None = None,
     documents: _Documents | None = None,
+    modeling: ModuleType | None = None,
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None,
     **kwargs,
 ) -> torch.Tensor:
     positions = documents.positions if documents is not None else None
@@ -88,12 +95,9 @@ def _packed(
         raise ValueError(
             f"position ids of shape {tuple(positions.shape)} for hidden states {tuple(hidden_states.shape)}"
         )
-    from transformers.activations import ACT2FN
-    from transformers.models.qwen3_5 import modeling_qwen3_5
-
     rows, length, _ = hidden_states.shape
     mixed = _conv_within_documents(mixer.in_proj_qkv(hidden_states), mixer.conv1d, positions)
-    mixed = ACT2FN[mixer.activation](mixed).to(hidden_states.dtype)
+    mixed = act(mixed).to(hidden_states.dtype)
     query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
     query = query.reshape(rows, length, -1, mixer.head_k_dim)
     key = key.reshape(rows, length, -1, mixer.head_k_dim)
@@ -107,7 +111,7 @@ def _packed(
         mixer.in_proj_a(hidden_states).float() + mixer.dt_bias
     )
     g = g.masked_fill((positions == 0).unsqueeze(-1), _RESET)
-    out, _ = modeling_qwen3_5.torch_chunk_gated_delta_rule(
+    out, _ = modeling.torch_chunk_gated_delta_rule(  # looked up per call: transformers' choice of kernel
         query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True
     )
     z = mixer.in_proj_z(hidden_states).reshape(-1, mixer.head_v_dim)
