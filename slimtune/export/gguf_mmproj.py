@@ -26,9 +26,10 @@ import gguf
 import numpy as np
 
 from slimtune.core import atomic
-from slimtune.export.gguf_convert import _add_value, _loader, _safetensors_keys, write_tensors
+from slimtune.export.gguf_convert import _add_value, _loader, _safetensors_keys
 from slimtune.export.gguf_header import read_header
 from slimtune.export.gguf_verify import _THREADS, GGUFVerifyError, check_complete, load_llama
+from slimtune.export.gguf_write import write_tensors
 from slimtune.models.multimodal import text_key
 
 Q = gguf.GGMLQuantizationType

@@ -45,7 +45,7 @@ def _maybe_kill(point: str, **facts: object) -> None:
 
 
 def _arm() -> None:
-    import slimtune.export.gguf_convert as gguf_convert
+    import slimtune.export.gguf_write as gguf_write
     import slimtune.merge.stream as merge_stream
     from slimtune.train.trainer import _SlimTrainer
 
@@ -69,7 +69,7 @@ def _arm() -> None:
         tensors = [type(first)(first.name, first.dtype, first.shape, first.nbytes, chunks), *tensors[1:]]
         return write_shard(path, tensors, space_needed)
 
-    encode = gguf_convert._encode
+    encode = gguf_write._encode
     calls = {"n": 0}
 
     def encode_then_die(data, qtype):
@@ -80,7 +80,7 @@ def _arm() -> None:
 
     _SlimTrainer.training_step = training_step
     merge_stream.write_shard = write_shard_then_die
-    gguf_convert._encode = encode_then_die
+    gguf_write._encode = encode_then_die
 
 
 if _PLAN:

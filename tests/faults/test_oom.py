@@ -24,7 +24,7 @@ from faultlib import (
     stub_model_stages,
 )
 
-import slimtune.export.gguf_convert as gguf_convert
+import slimtune.export.gguf_write as gguf_write
 import slimtune.merge.stream as merge_stream
 import slimtune.tasks.attach_lora as attach_lora_mod
 import slimtune.tasks.cleanup as cleanup_mod
@@ -72,7 +72,7 @@ def five_stage_oom(tmp_path_factory, reference_run):
             _raise_on(counters["dequant_merge"], "dequant_merge", merge_stream.TensorMerger.merged_raw),
         )
         # at the 10th tensor: the temporary GGUF file is half written
-        mp.setattr(gguf_convert, "_encode", _raise_on(counters["gguf_convert_and_push"], "gguf", gguf_convert._encode))
+        mp.setattr(gguf_write, "_encode", _raise_on(counters["gguf_convert_and_push"], "gguf", gguf_write._encode))
         summary = run_finetune(spec_dict(out))
     return {"run_dir": out / "faults", "summary": summary, "counters": counters}
 
