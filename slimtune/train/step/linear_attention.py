@@ -13,8 +13,8 @@ instance forward that runs the whole batch in one call, as transformers does, wi
 - at each document's first token the log-decay `g` is set to `_RESET`: the gated delta rule scales the state it
   carries in by exp(g) before adding the token's update, so the previous document's state enters as e^-30
   (~1e-13) of itself. That is the reset of a fresh document, up to rounding, and it needs no document offsets:
-  the chunked kernel transformers picks (its torch path, or flash-linear-attention's Triton kernel where
-  installed) runs unchanged, one launch sequence per layer however many documents a row holds.
+  the chunked kernel (ours, `delta_rule`, or flash-linear-attention's Triton kernel where installed) runs
+  unchanged, one launch sequence per layer however many documents a row holds.
 The decoder layer is called once (its norms and MLP batched, checkpointing's per-layer bookkeeping unchanged); a
 recompute in backward reads the position ids of the forward it repeats. Padded batches (a mask) and generation
 (a cache) go through the original forward. The position ids live outside the layers' arguments, so CUDA graphs
@@ -25,13 +25,14 @@ captured batch's.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
 from slimtune.kernels.instance_patch import KernelPatch, replace_forward
+from slimtune.train.step.delta_rule import chunk_gated_delta_rule, compiled_chunk_gated_delta_rule
 
 _MARK = "_slimtune_documents"
 # The log-decay at a document's first token: the state carried in is scaled by e^-30 (~1e-13). Larger magnitudes
@@ -52,7 +53,6 @@ def isolate_documents(model: torch.nn.Module) -> KernelPatch:
     if "linear_attention" not in (getattr(model.config, "layer_types", None) or ()):
         return patch  # no recurrent layer: nothing to keep apart, nothing to import
     from transformers.activations import ACT2FN
-    from transformers.models.qwen3_5 import modeling_qwen3_5
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, Qwen3_5TextModel
 
     for text_model in [m for m in model.modules() if isinstance(m, Qwen3_5TextModel)]:
@@ -62,11 +62,26 @@ def isolate_documents(model: torch.nn.Module) -> KernelPatch:
         hook = text_model.register_forward_pre_hook(functools.partial(_record, documents), with_kwargs=True)
         patch.on_undo(hook.remove)
         for mixer in [m for m in text_model.modules() if isinstance(m, Qwen3_5GatedDeltaNet)]:
-            act = ACT2FN[mixer.activation]
-            replace_forward(mixer, _packed, patch, documents=documents, modeling=modeling_qwen3_5, act=act)
+            act, rule = ACT2FN[mixer.activation], _delta_rule(mixer.A_log.device)
+            replace_forward(mixer, _packed, patch, documents=documents, rule=rule, act=act)
         setattr(text_model, _MARK, True)
         patch.on_undo(lambda text_model=text_model: delattr(text_model, _MARK))
     return patch
+
+
+def _delta_rule(device: torch.device) -> Callable[..., torch.Tensor]:
+    """flash-linear-attention's chunked kernel (through transformers) where it is installed, else ours, compiled on
+    a GPU: transformers' torch fallback scans the chunks with several times the launches
+    (`slimtune.train.step.delta_rule`)."""
+    if importlib.util.find_spec("fla") is None:
+        return compiled_chunk_gated_delta_rule() if device.type == "cuda" else chunk_gated_delta_rule
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    def fla(query, key, value, g, beta):
+        out, _ = torch_chunk_gated_delta_rule(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        return out
+
+    return fla
 
 
 def _record(documents: _Documents, _module: torch.nn.Module, _args: tuple, kwargs: dict) -> None:
@@ -84,7 +99,7 @@ def _packed(
     cache_params=None,
     attention_mask: torch.Tensor | None = None,
     documents: _Documents | None = None,
-    modeling: ModuleType | None = None,
+    rule: Callable[..., torch.Tensor] | None = None,
     act: Callable[[torch.Tensor], torch.Tensor] | None = None,
     **kwargs,
 ) -> torch.Tensor:
@@ -102,8 +117,8 @@ def _packed(
     query = query.reshape(rows, length, -1, mixer.head_k_dim)
     key = key.reshape(rows, length, -1, mixer.head_k_dim)
     value = value.reshape(rows, length, -1, mixer.head_v_dim)
-    if mixer.num_v_heads > mixer.num_k_heads:  # each query/key head serves that many value heads (transformers <
-        # 5.23's chunk rule takes them repeated; later ones repeat them themselves, so both get what they need)
+    if mixer.num_v_heads > mixer.num_k_heads:  # each query/key head serves that many value heads: the rules take
+        # them repeated (transformers >= 5.23's would repeat them itself; repeated ones pass through it unchanged)
         query = query.repeat_interleave(mixer.num_v_heads // mixer.num_k_heads, dim=2)
         key = key.repeat_interleave(mixer.num_v_heads // mixer.num_k_heads, dim=2)
     beta = mixer.in_proj_b(hidden_states).sigmoid()
@@ -111,9 +126,7 @@ def _packed(
         mixer.in_proj_a(hidden_states).float() + mixer.dt_bias
     )
     g = g.masked_fill((positions == 0).unsqueeze(-1), _RESET)
-    out, _ = modeling.torch_chunk_gated_delta_rule(  # looked up per call: transformers' choice of kernel
-        query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True
-    )
+    out = rule(query, key, value, g, beta)
     z = mixer.in_proj_z(hidden_states).reshape(-1, mixer.head_v_dim)
     out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z).reshape(rows, length, -1)
     return mixer.out_proj(out)
