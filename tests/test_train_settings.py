@@ -133,9 +133,12 @@ def test_graphs_are_on_where_their_estimate_fits_and_off_on_a_retry(tmp_path):
     assert len(retry.downshift_notes) == 1 and retry.downshift_notes[0].startswith("attempt 2: ")
 
 
-def test_auto_stores_no_layer_of_a_linear_attention_model(tmp_path):
-    """Qwen3.5's Gated DeltaNet layers keep more than the estimate counts for a layer: auto stores none, and says
-    why; an explicit count is still honoured."""
+def test_linear_attention_layers_count_their_larger_activations(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers keep up to 2.3x what an attention layer keeps (measured): the estimate counts
+    each stored layer at that; auto stores every layer without a budget and, under one, what fits at that count;
+    an explicit count is still honoured."""
+    from slimtune.memory import estimate as estimates
+
     qwen35 = {
         "model_type": "qwen3_5_text",
         "hidden_size": 2560,
@@ -153,9 +156,19 @@ def test_auto_stores_no_layer_of_a_linear_attention_model(tmp_path):
         "tie_word_embeddings": True,
     }
     spec = _spec(tmp_path, micro_batch_size=4, gradient_accumulation_steps=1)
-    settings = resolve_train(spec, qwen35, "cuda")  # no budget: a Llama stores all its layers here (below)
-    assert settings.stored_layers == 0 and "linear-attention" in settings.stored_note
-    assert resolve_train(spec, LLAMA_8B, "cuda").stored_layers == 32
+    assert resolve_train(spec, qwen35, "cuda").stored_layers == 32  # no budget: every layer fits
+
+    shape = estimates.model_shape(qwen35)
+    assert shape.linear_attention
+    targets = estimates._targets(shape, "all-linear")
+    counted = estimates._activation_bytes_per_token_layer(shape, 2, targets, 16)
+    est = estimates.estimate_train(
+        qwen35, micro_batch=4, seq_len=2048, lora_r=16, target_modules=targets, checkpointing="unsloth", stored_layers=8
+    )
+    assert est.breakdown["gpu: activations of the stored layers"] == 8 * int(4 * 2048 * int(counted * 2.3))
+    budget = train_estimate(spec, qwen35, 4, "unsloth", "cuda", stored_layers=8).gpu_bytes
+    stored = resolve_train(spec, qwen35, "cuda", fits=lambda est: est.gpu_bytes <= budget).stored_layers
+    assert 0 < stored <= 8
     fixed = resolve_train(_spec(tmp_path, micro_batch_size=4, stored_layers=3), qwen35, "cuda")
     assert fixed.stored_layers == 3
 

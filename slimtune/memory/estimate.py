@@ -67,6 +67,10 @@ _OFFLOAD_IN_FLIGHT = 3
 # 22.03: at most 0.91 of it was reused. At 0.75 each of the 9 runs (7 with stored layers) of
 # benchmarks/results/memory/h200-2026-11-27-stored-layers{,-b}.json estimates within 1.0-1.15 x measured.
 _STORED_REUSED = 0.75
+# A Gated DeltaNet layer (Qwen3.5) saves 1.8x (Qwen3.5-4B's widths: 678 vs 380 KB per token) to 2.3x (the tiny)
+# what the model's attention layer saves, through slimtune's packed forward (saved-tensor hooks:
+# benchmarks/deltanet_activations.py, tests/test_family_qwen35.py). Counted as every layer keeping the larger.
+_LINEAR_ATTENTION_ACTIVATIONS = 2.3
 _STORED_TERMS = ("activations (no checkpointing)", "activations of the stored layers", "checkpointed layer inputs")
 _WEIGHT_TERMS = ("nf4 linears", "embeddings and lm_head", "norms and biases")
 _STATE_TERMS = ("lora weights and grads (fp32)", "optimizer state", _CONTEXT_TERM)
@@ -333,6 +337,8 @@ def estimate_train(
 
     fused = _FUSED_ACTIVATION_KERNELS <= set(kernels)
     per_layer = _activation_bytes_per_token_layer(shape, compute_dtype_bytes, targets, lora_r)
+    if shape.linear_attention:
+        per_layer = int(per_layer * _LINEAR_ATTENTION_ACTIVATIONS)
     varlen = _varlen_bytes_per_token_layer(shape, compute_dtype_bytes) if varlen_attention and "rope" in kernels else 0
     layer_input = shape.hidden * compute_dtype_bytes
     host = {"process and CUDA libraries": _PROCESS_HOST_BYTES}

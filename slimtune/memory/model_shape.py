@@ -43,6 +43,8 @@ class ModelShape:
     # is moe_intermediate_size), of which each token goes through `experts_per_token`
     experts: int = 0
     experts_per_token: int = 0
+    # Hybrid models (Qwen3.5): some layers are Gated DeltaNet (linear attention), which keep more activations
+    linear_attention: bool = False
 
     @property
     def q_dim(self) -> int:
@@ -180,7 +182,7 @@ def _qwen35_layers(text: dict[str, Any], shape: ModelShape) -> ModelShape:
     """Qwen3.5's hybrid layers: Gated DeltaNet layers (in_proj_qkv/z/a/b, out_proj; a 16-bit depthwise conv1d,
     A_log, dt_bias and a head-wide gated norm) and full-attention layers whose q_proj also emits the output gate
     (2 x heads x head_dim), with q/k norms. The estimates' activation count treats every layer as attention
-    of the config's width; the DeltaNet layers keep no KV cache."""
+    of the config's width, scaled for the DeltaNet's larger saves (`linear_attention`); they keep no KV cache."""
     h, inter = shape.hidden, shape.intermediate
     k_dim = int(text["linear_key_head_dim"]) * int(text["linear_num_key_heads"])
     v_heads, v_head_dim = int(text["linear_num_value_heads"]), int(text["linear_value_head_dim"])
@@ -203,7 +205,7 @@ def _qwen35_layers(text: dict[str, Any], shape: ModelShape) -> ModelShape:
                 | mlp
             )
             small -= h  # layer_norms counts the DeltaNet's third norm on every layer
-    return replace(shape, layer_linears=tuple(layers), other_small=small)
+    return replace(shape, layer_linears=tuple(layers), other_small=small, linear_attention=True)
 
 
 def _moe_layers(text: dict[str, Any], shape: ModelShape, family: Family) -> ModelShape:

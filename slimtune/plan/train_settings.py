@@ -17,7 +17,6 @@ from slimtune.kernels.apply import expected_kernels
 from slimtune.memory.downshift import downshift_train
 from slimtune.memory.estimate import Estimate
 from slimtune.memory.model_shape import model_shape
-from slimtune.models.families import FAMILIES
 from slimtune.plan.fit import auto_micro_batch, train_estimate
 from slimtune.spec.schema import PipelineSpec, TrainSpec
 from slimtune.train.step.attention import varlen_expected
@@ -188,14 +187,7 @@ def _stored_layers(
         return 0, "auto: 0 on the CPU, where activations take host memory that no budget holds"
     if spec.train.world_size > 1:
         return 0, "auto: 0 on several GPUs (every rank recomputes each layer)"
-    shape = model_shape(cfg)
-    family = FAMILIES.get(shape.model_type)
-    if family is not None and family.linear_attention_targets:
-        # a Gated DeltaNet layer keeps 1.8x (Qwen3.5-4B's widths) to 2.3x (the tiny) what the attention layer
-        # keeps (saved-tensor hooks, transformers' torch delta rule), which the estimate does not count yet:
-        # stored, they could outgrow the budget the estimate fits
-        return 0, "auto: 0 for a model with linear-attention layers, whose activations the estimate does not count"
-    layers = shape.layers
+    layers = model_shape(cfg).layers
     if fits(estimate(stored_layers=layers)):  # no layer recomputed: no graphs either
         return layers, f"auto: all {layers} layers keep their activations (nothing is recomputed)"
     lo, hi = 0, layers - 1
