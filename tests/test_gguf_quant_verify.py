@@ -152,8 +152,11 @@ def test_f16_gguf_matches_hf_at_every_position(llama_cpp, tmp_path, case):
     flips = [] if report["argmax_agreement"] == 1.0 else _flips(path, model_dir)
     assert all(gap < 2 * err for gap, err in flips) and len(flips) <= 0.01 * report["positions"], flips
     # f16 weights round at 2^-11 relative; after pretraining the logits reach ~10-20 and errors measured up
-    # to 0.19 (mistral); a conversion mistake moves logits by whole units
-    assert 1e-7 < report["max_abs_logit_diff"] < 0.5, report
+    # to 0.19 (mistral); a conversion mistake moves logits by whole units. gpt-oss's tiny amplifies rounding
+    # far more, and by how much depends on its pretraining: 0.011, 0.020, 0.093 and 0.85 on four of them
+    # (2026-11-27; transformers itself, its attention weights rounded to q8_0, moves a logit by 5.8).
+    bound = 1.5 if case == "gpt_oss" else 0.5
+    assert 1e-7 < report["max_abs_logit_diff"] < bound, report
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -170,10 +173,13 @@ def test_q8_0_gguf_picks_hf_next_token(llama_cpp, tmp_path, case):
     # logit error there; a conversion mistake flips positions with wide gaps.
     # Qwen3.5's DeltaNet layers carry each position's rounding into every later one through their recurrent
     # state (gates from 8-bit in_proj_a/b): measured 2026-11-26, 174 of 180 positions (96.7%), every flip a
-    # near-tie (largest logit error 0.98), while its f16 file agrees at every position.
-    # gpt-oss: measured 2026-11-27 on two pretrainings of its tiny (this machine, different load): 176 of 180
-    # positions (97.8%) and 170 of 180 (94.4%), every flip a near-tie by the rule below, largest logit errors 1.4-2.9
-    # where its f16 file is within 0.011 (why its 8-bit errors are this large was not isolated).
+    # near-tie (largest logit error 0.98), while its f16 file agrees at every position; llama.cpp's quantizer writes
+    # the same bytes, and transformers with the weights rounded to q8_0 agrees at 177 (2026-11-27).
+    # gpt-oss: measured 2026-11-27 on four pretrainings of its tiny: 170 to 178 of 180 positions (94.4-98.9%), every
+    # flip a near-tie by the rule below, largest logit errors 1.0-2.9 (its f16 files: 0.011-0.85). The errors
+    # are the 8-bit weights' own: transformers with the weights rounded to q8_0 makes them too (on one: attention alone
+    # 5.8, token embeddings 2.9, experts 0.03), and llama.cpp's quantizer writes the same bytes. Keeping the router f32,
+    # as llama.cpp does, moved three pretrainings from 176, 176, 176 to 178, 174, 175 of 180: routing is not the cause.
     floor = {"qwen3_5_text": 0.96, "gpt_oss": 0.93}.get(case, 0.97)
     flips = [] if report["argmax_agreement"] >= 0.98 else _flips(path, model_dir)
     assert report["argmax_agreement"] >= floor and all(gap < 2 * err for gap, err in flips), (report, flips)

@@ -183,7 +183,7 @@ def _plan_tensors(
         if not name.endswith((".weight", ".bias")) and not (deltanet and deltanet.bare):
             name += ".weight"  # a bare parameter or buffer (Gemma 4's layer_scalar): llama.cpp names it .weight
         if deltanet:
-            qtype = Q.F32 if deltanet.f32 else _tensor_qtype(name, deltanet.shape, default_qtype, tied)
+            qtype = _tensor_qtype(name, deltanet.shape, default_qtype, tied)
             yield _Planned(name, _loader(file, stored, deltanet.transform), deltanet.shape, qtype)
             continue
         transform = _transform_for(lookup, family, n_head, n_kv)
@@ -200,13 +200,12 @@ def _fused_expert_plans(
     family: Family,
     default_qtype: Q,
 ) -> Iterator[_Planned]:
-    """gpt-oss's fused expert tensor as llama.cpp's gate/up/down expert tensors (`fused_expert_parts`); the 2-D
-    expert biases stay f32 like every other bias."""
+    """gpt-oss's fused expert tensor as llama.cpp's gate/up/down expert tensors (`fused_expert_parts`)."""
     for part in parts:
         name = name_map.get_name(part.key, try_suffixes=(".weight", ".bias"))
         if name is None or name_map.get_type(part.key, try_suffixes=(".weight", ".bias")) not in known:
             raise ValueError(f"{file.name}: tensor {stored!r} has no GGUF name for {family.gguf_name}")
-        qtype = Q.F32 if name.endswith(".bias") else _tensor_qtype(name, part.shape, default_qtype, False)
+        qtype = _tensor_qtype(name, part.shape, default_qtype, False)  # the 2-D expert biases: f32
         yield _Planned(name, _loader(file, stored, part.transform), part.shape, qtype)
 
 
@@ -257,9 +256,29 @@ def _permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Kept f32 whatever the output type, as llama.cpp's converter forces them (conversion/base.py, prepare_tensors)
+# and its quantizer never requantizes them (src/llama-quant.cpp): an 8-bit MoE router flips near-tied expert
+# choices, and ggml's ssm_conv reads only f32.
+_F32_KINDS = frozenset(
+    gguf.TENSOR_NAMES[kind].removeprefix("blk.{bid}.")
+    for kind in (
+        gguf.MODEL_TENSOR.FFN_GATE_INP,
+        gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP,
+        gguf.MODEL_TENSOR.POS_EMBD,
+        gguf.MODEL_TENSOR.TOKEN_TYPES,
+        gguf.MODEL_TENSOR.SSM_CONV1D,
+    )
+)
+
+
 def _tensor_qtype(name: str, shape: tuple[int, ...], default: Q, tied: bool) -> Q:
-    if len(shape) < 2 or default in (Q.F32, Q.F16, Q.BF16):
-        return Q.F32 if len(shape) < 2 else default  # norms and biases stay f32, as llama.cpp keeps them
+    """The GGUF type of tensor `name` in a file of type `default`, by llama.cpp's converter's rules: 1-D tensors,
+    norms, anything not a `.weight` (biases, Qwen3.5's bare `ssm_a`) and `_F32_KINDS` stay f32."""
+    kind = re.sub(r"^blk\.\d+\.", "", name).removesuffix(".weight")
+    if len(shape) < 2 or not name.endswith(".weight") or name.endswith("_norm.weight") or kind in _F32_KINDS:
+        return Q.F32
+    if default in (Q.F32, Q.F16, Q.BF16):
+        return default
     block = gguf.GGML_QUANT_SIZES[default][0]
     if shape[-1] % block:
         return Q.F16  # a row that is not a whole number of 32-value blocks cannot be block-quantized

@@ -5,7 +5,7 @@ loader (`src/models/qwen35.cpp`) as vendored by llama-cpp-python 0.3.36; checked
 model and comparing llama.cpp's logits with transformers' (tests/test_family_qwen35.py):
 - `A_log` is stored as A = -exp(A_log) under the bare name `ssm_a` (no `.weight`);
 - `dt_bias` is the bias of `ssm_dt`;
-- `conv1d`'s (channels, 1, kernel) weight loses its middle axis and stays f32 (ggml's ssm_conv reads f32);
+- `conv1d`'s (channels, 1, kernel) weight loses its middle axis (`ssm_conv1d`, which the converter keeps f32);
 - the gated output norm (`linear_attn.norm`) multiplies by w, not by (1 + w) as Qwen3.5's other norms: no
   offset;
 - value heads: transformers groups them by key head ([k0: v0 v1][k1: v0 v1]); ggml broadcasts the key heads
@@ -29,7 +29,6 @@ class DeltaNetTensor:
     key: str  # the Hugging Face name gguf's tables map (dt_bias is looked up as dt_proj.bias)
     bare: bool  # llama.cpp names it without `.weight`
     shape: tuple[int, ...]  # the shape written (conv1d: squeezed)
-    f32: bool  # kept f32 whatever the output type
     transform: Callable[[np.ndarray], np.ndarray]
 
 
@@ -50,19 +49,17 @@ def deltanet_tensor(key: str, shape: tuple[int, ...], config: dict[str, Any]) ->
         return np.concatenate([w[:qk_rows], tiled(w[qk_rows:], 0, v_head_dim)])
 
     suffix = key.rsplit(".linear_attn.", 1)[1]
-    same = DeltaNetTensor(key, False, shape, False, lambda w: w)
+    same = DeltaNetTensor(key, False, shape, lambda w: w)
     layouts = {
-        "in_proj_qkv.weight": DeltaNetTensor(key, False, shape, False, v_rows_tiled),
-        "in_proj_z.weight": DeltaNetTensor(key, False, shape, False, lambda w: tiled(w, 0, v_head_dim)),
-        "in_proj_a.weight": DeltaNetTensor(key, False, shape, False, lambda w: tiled(w, 0, 1)),
-        "in_proj_b.weight": DeltaNetTensor(key, False, shape, False, lambda w: tiled(w, 0, 1)),
-        "out_proj.weight": DeltaNetTensor(key, False, shape, False, lambda w: tiled(w, 1, v_head_dim)),
-        "A_log": DeltaNetTensor(key, True, shape, True, lambda w: -np.exp(tiled(w, 0, 1))),
-        "dt_bias": DeltaNetTensor(
-            key.replace(".dt_bias", ".dt_proj.bias"), False, shape, True, lambda w: tiled(w, 0, 1)
-        ),
+        "in_proj_qkv.weight": DeltaNetTensor(key, False, shape, v_rows_tiled),
+        "in_proj_z.weight": DeltaNetTensor(key, False, shape, lambda w: tiled(w, 0, v_head_dim)),
+        "in_proj_a.weight": DeltaNetTensor(key, False, shape, lambda w: tiled(w, 0, 1)),
+        "in_proj_b.weight": DeltaNetTensor(key, False, shape, lambda w: tiled(w, 0, 1)),
+        "out_proj.weight": DeltaNetTensor(key, False, shape, lambda w: tiled(w, 1, v_head_dim)),
+        "A_log": DeltaNetTensor(key, True, shape, lambda w: -np.exp(tiled(w, 0, 1))),
+        "dt_bias": DeltaNetTensor(key.replace(".dt_bias", ".dt_proj.bias"), False, shape, lambda w: tiled(w, 0, 1)),
         "conv1d.weight": DeltaNetTensor(
-            key, False, (shape[0], shape[-1]), True, lambda w: v_rows_tiled(w.reshape(w.shape[0], w.shape[-1]))
+            key, False, (shape[0], shape[-1]), lambda w: v_rows_tiled(w.reshape(w.shape[0], w.shape[-1]))
         ),
         "norm.weight": same,
     }
