@@ -164,3 +164,59 @@ def test_the_merge_disk_follows_the_checkpoint_dtype_under_auto(tmp_path):
     )
     assert merge_disk({**LLAMA_8B, "dtype": "float32"}, "bfloat16") == bf16  # a dtype asked for wins
     assert merge_disk({k: v for k, v in LLAMA_8B.items() if k not in ("dtype", "torch_dtype")}) == bf16
+
+
+QWEN3_30B_A3B = {  # Qwen3-30B-A3B's config.json (the published sizes)
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+
+
+def test_an_moe_that_does_not_fit_for_its_adapters_names_the_adapters_first(tmp_path):
+    """Qwen3-30B-A3B with LoRA r=16 on every expert on a 24 GiB card: the adapters and their Adam state (12.6 GiB)
+    outweigh the step, so the fix named first is the rank, the targets or the 8-bit optimizer, not the micro-batch
+    (already 1); r=8 with paged_adamw_8bit fits."""
+    model = tmp_path / "qwen3-30b-a3b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+
+    def spec(r: int, optimizer: str):
+        return parse_spec(
+            {
+                "name": "moe",
+                "output_dir": str(tmp_path / "runs"),
+                "model": {"name_or_path": str(model)},
+                "lora": {"r": r, "gradient_checkpointing": "unsloth"},
+                "data": {"path": str(DATA), "max_seq_length": 2048},
+                "train": {"micro_batch_size": 1, "optimizer": optimizer},
+                "export": {"gguf": ["f16"]},
+            }
+        )
+
+    budget = Budget(24 * _GIB, None, 64 * _GIB)
+    rows, limits = plan(spec(16, "adamw_torch_fused"), QWEN3_30B_A3B, budget)
+    train = {r.stage: r for r in rows}["packed_sft"]
+    assert train.gpu_fits is False
+    assert train.estimate.fields["gpu"].startswith("lora.r or lora.target_modules")
+    assert "paged_adamw_8bit" in train.estimate.fields["gpu"]
+    text = render(spec(16, "adamw_torch_fused"), rows, limits, budget)
+    assert "to fit: lora.r or lora.target_modules" in text
+    rows, _ = plan(spec(8, "paged_adamw_8bit"), QWEN3_30B_A3B, budget)
+    assert {r.stage: r.gpu_fits for r in rows}["packed_sft"]
+    # a dense model short of memory is still told about its step first
+    rows, _ = plan(_spec(tmp_path), LLAMA_8B, Budget(6 * _GIB, None, 16 * _GIB))
+    assert {r.stage: r for r in rows}["packed_sft"].estimate.fields["gpu"].startswith("train.micro_batch_size")

@@ -402,9 +402,17 @@ def estimate_train(
     checkpoint = lora * (4 + optimizer_bytes_per_param)
     # A resumable checkpoint is written beside the previous one before that one is removed.
     disk = {"adapter and optimizer checkpoints (2 kept while writing)": 2 * checkpoint}
+    step_fields = (
+        "train.micro_batch_size (with train.gradient_accumulation_steps), data.max_seq_length, "
+        "train.stored_layers or lora.gradient_checkpointing"
+    )
+    adapters = gpu["lora weights and grads (fp32)"] + gpu["optimizer state"]
+    if adapters > sum(v for k, v in gpu.items() if k not in _STATE_TERMS + _WEIGHT_TERMS):
+        # More in the adapters than in the step (LoRA on every expert of an MoE): the micro-batch cannot buy it back
+        adam = "" if optimizer_bytes_per_param <= 2 else ", train.optimizer paged_adamw_8bit (2 bytes per parameter)"
+        step_fields = f"lora.r or lora.target_modules (the adapters and their optimizer state){adam}; {step_fields}"
     fields = {
-        "gpu": "train.micro_batch_size (with train.gradient_accumulation_steps), data.max_seq_length, "
-        "train.stored_layers or lora.gradient_checkpointing",
+        "gpu": step_fields,
         "host": "lora.gradient_checkpointing (offloading keeps layer inputs in host memory)",
         "disk": "output_dir (a disk with more space)",
     }

@@ -427,6 +427,8 @@ def render(spec: PipelineSpec, rows: list[StagePlan], limits: dict, budget: Budg
             lines.append(
                 f"    GPU  {_gib(est.gpu_bytes):>11}  {_verdict(row.gpu_fits):12}  {est.top_terms('gpu: ', 4)}"
             )
+            if row.gpu_fits is False and est.fields.get("gpu"):
+                lines.append(f"    {'':11}        to fit: {est.fields['gpu']}")
         lines.append(f"    host {_gib(est.host_bytes):>11}  {_verdict(row.host_fits):12}  {est.top_terms('host: ', 3)}")
         if est.disk_bytes:
             lines.append(f"    disk {_gib(est.disk_bytes):>11}  {'':12}  {est.top_terms('disk: ', 2)}")
