@@ -252,6 +252,36 @@ def test_clean_memory_frees_reference_cycles():
         gc.enable()
 
 
+class _Releaser:
+    """Garbage in a cycle whose finalizer drops the last outside reference to another cycle (a hook's handle)."""
+
+    held: list[_Node] = []
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        _Releaser.held.clear()
+
+
+def test_clean_memory_frees_a_cycle_that_only_a_finalizer_lets_go():
+    """The first pass runs the finalizer; only a second pass can free what it let go: the passes end at one that
+    finds nothing, not after the first."""
+    gc.disable()
+    try:
+        a, b = _Node(), _Node()
+        a.partner, b.partner = b, a
+        ref = weakref.ref(a.payload)
+        _Releaser.held.append(a)
+        _Releaser()
+        del a, b
+        clean_memory()
+        assert ref() is None
+    finally:
+        _Releaser.held.clear()
+        gc.enable()
+
+
 def test_cleanup_drops_the_nf4_dequantization_scratch():
     """Module state, not model state: it outlived the model and kept cleanup 32 MiB off baseline (1B on an H100).
     The cleanup task names it to clean_memory; the guard's own cleaning between stages leaves it alone."""

@@ -9,11 +9,15 @@ import torch
 
 
 def clean_memory(passes: int = 3, *, release: Iterable[Callable[[], None]] = ()) -> int:
-    """Collect garbage and return cached CUDA blocks, `passes` times, then reset peak stats.
+    """Collect garbage and return cached CUDA blocks, up to `passes` times, then reset peak stats.
 
     Several passes because one `gc.collect()` can only free what is unreachable now: objects whose
     finalizers drop the last reference to other cycles (hooks, peft wrappers, optimizer state) become
-    collectable on the next pass, and `empty_cache` can only return blocks freed before it runs.
+    collectable on the next pass, and `empty_cache` can only return blocks freed before it runs. A pass
+    that finds nothing ran no finalizer, so the next would find nothing either: it ends the loop. A full
+    collection walks every tracked object (~0.4 s with torch, transformers and Prefect loaded), and the
+    guard cleans before each stage: a tiny CPU run spent 16 of its 26 s in 40 passes, 24 of which found
+    nothing.
 
     Args:
         release: frees module-level state the caller knows of (the kernels' scratch buffers, which
@@ -28,11 +32,13 @@ def clean_memory(passes: int = 3, *, release: Iterable[Callable[[], None]] = ())
     # Skipping uninitialised CUDA avoids creating a ~500 MiB context just to clean it.
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     for _ in range(passes):
-        gc.collect()
+        found = gc.collect()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.ipc_collect()
+        if not found:
+            break
     if not cuda:
         return 0
     # without this, "back to baseline" after cleanup is off by the workspaces
