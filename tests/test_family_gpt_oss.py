@@ -427,7 +427,7 @@ def test_flow_trains_the_experts_merges_and_exports(prefect_harness, tmp_path):
     """The six tasks on the builtin tiny gpt_oss: LoRA on attention and every expert, packed training, the merge of
     the fused expert tensors, f16 and q8_0 GGUF verified in llama.cpp (the flow's check)."""
     pytest.importorskip("llama_cpp")
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
 
     spec = tiny_flow_spec("gpt_oss", tmp_path)
     assert finetune(spec, return_state=True).is_completed()

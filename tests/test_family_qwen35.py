@@ -329,7 +329,7 @@ def test_flow_evaluates_trains_packed_merges_and_exports(prefect_harness, tmp_pa
     """The six tasks on the builtin tiny qwen3_5_text: eval before and after packed training, merge, f16 and q8_0
     GGUF verified in llama.cpp against the merged model (the flow's own check)."""
     pytest.importorskip("llama_cpp")
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
 
     spec = tiny_flow_spec("qwen3_5_text", tmp_path)
     assert finetune(spec, return_state=True).is_completed()

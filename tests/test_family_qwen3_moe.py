@@ -117,7 +117,7 @@ def test_flow_trains_the_experts_merges_and_exports(prefect_harness, tmp_path):
     pytest.importorskip("llama_cpp")
     from safetensors.torch import load_file
 
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
 
     spec = tiny_flow_spec("qwen3_moe", tmp_path)
     assert finetune(spec, return_state=True).is_completed()

@@ -32,7 +32,7 @@ _RESOLVERS = ("local_model_dir", "check_model_dir", "read_config")
 
 @pytest.fixture(scope="module")
 def finished_run(prefect_harness, tmp_path_factory):
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
 
     spec = _tiny_spec(tmp_path_factory.mktemp("run"))
     with _counting_resolvers() as calls:
@@ -171,7 +171,7 @@ def test_cleanup_frees_the_model_after_an_oom_retry(prefect_harness, tmp_path, m
     from transformers.models.llama import modeling_llama
 
     import slimtune.tasks.load_4bit as load_4bit_mod
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
 
     spec = _tiny_spec(tmp_path, max_steps=2)
     spec.train.precision = "bf16"  # as on a GPU: accelerate wraps the model's forward in autocast

@@ -55,7 +55,7 @@ def _data(root: Path) -> Path:
 
 
 def test_flow_recovers_from_oom_and_cleanup_returns_memory(prefect_harness, tmp_path):
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
     from slimtune.spec.schema import parse_spec
 
     torch.cuda.init()
@@ -104,7 +104,7 @@ def test_flow_recovers_from_oom_and_cleanup_returns_memory(prefect_harness, tmp_
 def test_flow_trains_through_cuda_graphs_within_its_budget_and_cleanup_frees_their_pool(prefect_harness, tmp_path):
     """The defaults ("unsloth" checkpointing, train.cuda_graphs) under a memory budget: the layers' backward runs
     as graphs, reserved memory stays within the budget, and after cleanup the graphs' pool is gone too."""
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
     from slimtune.spec.schema import parse_spec
 
     torch.cuda.init()

@@ -95,7 +95,7 @@ def uninterrupted(tmp_path_factory) -> PipelineSpec:
 def flow_on_ray(prefect_harness, ray_address, tmp_path_factory):
     """The whole finetune flow with train.cluster (load and attach deferred, packed_sft on Ray, merge and GGUF here),
     with one of its two workers killed once the first checkpoint is in: as a node that dies."""
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
 
     spec = _spec(tmp_path_factory.mktemp("ray-flow"), "on-ray", ray_address)
     killed: list[int] = []

@@ -130,7 +130,7 @@ def test_run_form_schema_has_no_const_null_default_or_internal_field():
     from prefect.utilities.callables import parameter_schema
     from prefect.utilities.schema_tools import validate
 
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
 
     schema = parameter_schema(finetune.fn).model_dump()
     nodes = list(_schema_nodes(schema))

@@ -26,4 +26,4 @@ def test_cli_module_imports_no_ml_library_or_prefect():
 
 
 def test_flow_imports_no_plotting_tracker_llama_cpp_or_ray():
-    assert _loaded("import slimtune.flows", _FOREIGN) == []
+    assert _loaded("import slimtune.flows.finetune", _FOREIGN) == []

@@ -146,7 +146,7 @@ def test_flow_run_page_shows_progress_charts_and_gguf_verification(server, shots
     # The flow runs in its own process: Prefect 3 reports task runs as events through a process-wide
     # worker bound to the first API it saw, which inside this test session may be another test's server.
     run_flow = (
-        "import sys; from slimtune.flows import finetune; from slimtune.spec.schema import load_spec; "
+        "import sys; from slimtune.flows.finetune import finetune; from slimtune.spec.schema import load_spec; "
         "finetune(load_spec(sys.argv[1]))"
     )
     proc = subprocess.Popen(
@@ -231,7 +231,7 @@ def test_flow_run_page_shows_progress_charts_and_gguf_verification(server, shots
 
 def test_run_form_renders_every_field(server, shots, tmp_path):
     register = (
-        "import json, sys; from slimtune.flows import finetune; "
+        "import json, sys; from slimtune.flows.finetune import finetune; "
         "print(finetune.to_deployment(name='form', parameters={'spec': json.loads(sys.argv[1])}).apply())"
     )
     params = {"name": "form", "model": {"name_or_path": "builtin:tiny-llama", "device": "cpu"}}

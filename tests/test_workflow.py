@@ -26,7 +26,7 @@ def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def run(prefect_harness, tmp_path_factory):
     """A finished run: 4 steps on the tiny Llama, f16 GGUF verified, eval prompts and the adapter GGUF on."""
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
 
     spec = parse_spec(
         {

@@ -223,7 +223,7 @@ def _command(args: argparse.Namespace) -> int:
 
     try:
         with run_lock(spec.run_dir()), interruptible():
-            from slimtune.flows import finetune
+            from slimtune.flows.finetune import finetune
 
             if not args.debug:
                 hide_tracebacks()  # after the flow's import: importing Prefect's flow API configures its logging

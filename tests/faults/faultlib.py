@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib
 import json
 import shutil
 from pathlib import Path
@@ -147,7 +146,7 @@ def adapter_diff(a: Path, b: Path) -> tuple[float, float]:
 
 def run_finetune(data: dict):
     """Validate `data` like the CLI does and run the finetune flow in this process; returns its summary."""
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
     from slimtune.spec.schema import parse_spec
 
     return finetune(parse_spec(data))
@@ -173,10 +172,8 @@ def stub_model_stages(mp, spans: list[tuple[str, str, float, float]] | None = No
     from prefect import task
     from prefect.cache_policies import NO_CACHE
 
+    import slimtune.flows.finetune as finetune_mod
     from slimtune.core import registry
-
-    # `slimtune.flows` exports the flow under the module's name, so `import ... as` would give the flow
-    finetune_mod = importlib.import_module("slimtune.flows.finetune")
 
     def _span(spec, stage: str) -> None:
         start = time.monotonic()

@@ -41,7 +41,7 @@ def _failing_task(name: str):
     expect="spec.effective.yaml and every output still describe the earlier run",
 )
 def test_a_rerun_failing_before_its_adapter_changes_nothing(reference_run, tmp_path, monkeypatch, observe):
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
     from slimtune.spec.schema import parse_spec
 
     run_dir = _earlier_run(reference_run, tmp_path)
@@ -65,7 +65,7 @@ def test_a_rerun_failing_before_its_adapter_changes_nothing(reference_run, tmp_p
 def test_a_rerun_failing_after_its_adapter_leaves_no_output_of_the_earlier_one(
     reference_run, tmp_path, monkeypatch, observe
 ):
-    from slimtune.flows import finetune
+    from slimtune.flows.finetune import finetune
     from slimtune.inference.generate import RunDirError, pick_gguf
     from slimtune.spec.schema import parse_spec
 
