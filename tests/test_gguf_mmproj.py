@@ -176,9 +176,9 @@ def test_each_key_layout_gives_the_same_mmproj(checkpoint, ggufs, tmp_path, layo
 
 def test_other_checkpoints_and_unrunnable_vision_configs_are_refused(checkpoint, tmp_path):
     config = json.loads((checkpoint / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mistral3"}))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gemma4"}))
     assert not writes_mmproj(tmp_path)
-    with pytest.raises(ValueError, match="model_type 'mistral3' has no mmproj writer; supported: gemma3"):
+    with pytest.raises(ValueError, match="model_type 'gemma4' has no mmproj writer; supported: gemma3, mistral3"):
         convert_mmproj_to_gguf(tmp_path, tmp_path / "x.gguf")
     vision = {**config["vision_config"], "intermediate_size": 32}
     (tmp_path / "config.json").write_text(json.dumps({**config, "mm_tokens_per_image": 9, "vision_config": vision}))
@@ -194,10 +194,11 @@ def test_other_multimodal_checkpoints_and_unrunnable_towers_export_the_text_gguf
     checkpoint, tmp_path, caplog
 ):
     config = json.loads((checkpoint / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mistral3"}))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gemma4"}))
     caplog.set_level(logging.INFO, logger="slimtune.tasks.gguf_convert_and_push")
     assert _mmproj(PipelineSpec(name="r"), tmp_path, tmp_path, [tmp_path / "r.gguf"]) is None
-    assert "no mmproj file for the mistral3 checkpoint" in caplog.text and "for gemma3 checkpoints only" in caplog.text
+    assert "no mmproj file for the gemma4 checkpoint" in caplog.text
+    assert "for gemma3, mistral3 checkpoints only" in caplog.text
     # a Gemma 3 vision config llama.cpp would run differently: the text GGUFs stand, the record and log say why
     (tmp_path / "config.json").write_text(json.dumps({**config, "mm_tokens_per_image": 9}))
     record = _mmproj(PipelineSpec(name="r"), tmp_path, tmp_path, [tmp_path / "r.gguf"])

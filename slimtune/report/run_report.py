@@ -121,7 +121,7 @@ def render_results(summary: dict) -> list[str]:
 
 
 def _mmproj_lines(mmproj: dict | None) -> list[str]:
-    """Gemma 3's vision projector GGUF and its image embeddings against transformers'."""
+    """The vision projector GGUF and its image embeddings against transformers'."""
     if not mmproj:
         return []
     if "file" not in mmproj:
@@ -132,6 +132,8 @@ def _mmproj_lines(mmproj: dict | None) -> list[str]:
             f"image embeddings in llama.cpp {check['max_abs_diff']:.3g} off transformers' "
             f"(largest {check['max_abs_embedding']:.3g}, {check['tokens']} tokens)"
         )
+        if check.get("non_finite_tokens"):
+            verified += f", {check['non_finite_tokens']} of them not finite in llama.cpp and left out"
     else:
         verified = check.get("skipped", "not verified")
     return [f"Vision projector (`--mmproj`): `{mmproj['file']}`, {_size(mmproj['bytes'])}; {verified}.", ""]

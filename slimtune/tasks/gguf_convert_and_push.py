@@ -59,7 +59,7 @@ class ExportResult:
     adapter: dict | None = None  # the LoRA adapter GGUF (export.adapter_gguf) and its check against merged
     tokenizer: dict | None = None  # export.gguf_tokenizer as_is: why the ids may differ, measured in llama.cpp
     chat_template: dict | None = None  # the Modelfile's TEMPLATE format, or "none" with why and how to chat
-    mmproj: dict | None = None  # Gemma 3's vision projector GGUF (llama.cpp's --mmproj) and its check, or why not
+    mmproj: dict | None = None  # the vision projector GGUF (llama.cpp's --mmproj) and its check, or why not
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,9 +94,9 @@ LORA_FACTS = ("r", "alpha", "dropout", "target_modules", "use_rslora")
 
 
 def _mmproj(spec: PipelineSpec, merged_dir: Path, out_dir: Path, files: list[Path]) -> dict | None:
-    """Gemma 3: llama.cpp's vision projector GGUF beside the text GGUFs, checked whole and (export.verify) its image
-    embeddings against transformers' ({"skipped": why} for a vision config llama.cpp cannot run); None for other
-    checkpoints."""
+    """Gemma 3 and Mistral 3: llama.cpp's vision projector GGUF beside the text GGUFs, checked whole and
+    (export.verify) its image embeddings against transformers' ({"skipped": why} for a vision config llama.cpp cannot
+    run); None for other checkpoints."""
     if not files:
         return None
     if not writes_mmproj(merged_dir):
