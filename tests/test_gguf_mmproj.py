@@ -19,14 +19,13 @@ import pytest
 import torch
 import transformers
 from hub_server import FakeHub
+from mmproj_checks import normalized, random_image, save_checkpoint, text_and_mmproj
 from safetensors.torch import load_file, save_file
 
-from slimtune.export import convert_hf_to_gguf
 from slimtune.export.gguf_header import read_header
 from slimtune.export.gguf_mmproj import (
     convert_mmproj_to_gguf,
     llama_cpp_image_embeddings,
-    mmproj_file_name,
     writes_mmproj,
 )
 from slimtune.inference.generate import pick_gguf
@@ -75,29 +74,23 @@ def checkpoint(tmp_path_factory) -> Path:
                 p.copy_((0.0 if "soft_emb" in name else 1.0) + 0.2 * noise)
             else:
                 p.copy_(noise / max(1, p.shape[-1]) ** 0.5)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / "preprocessor_config.json").write_text(json.dumps({"image_mean": MEAN, "image_std": STD}))
-    return out
+    return save_checkpoint(model, tokenizer, out, MEAN, STD)
 
 
 @pytest.fixture(scope="module")
 def ggufs(checkpoint, tmp_path_factory) -> tuple[Path, Path]:
     """(text f16 GGUF, mmproj) of the checkpoint."""
-    out = tmp_path_factory.mktemp("ggufs")
-    [text] = convert_hf_to_gguf(checkpoint, out / "mm-f16.gguf", "f16")
-    return text, convert_mmproj_to_gguf(checkpoint, out / mmproj_file_name("mm"), name="mm")
+    return text_and_mmproj(checkpoint, tmp_path_factory.mktemp("ggufs"))
 
 
 def _image(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size=(IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+    return random_image(seed, IMAGE_SIZE, IMAGE_SIZE)
 
 
 def _transformers_features(checkpoint: Path, rgb: np.ndarray) -> np.ndarray:
     """Gemma3ForConditionalGeneration.get_image_features on the pixels normalized here, as the image processor
     normalizes them (to [0, 1], then MEAN and STD), not through the module under test."""
-    pixels = torch.from_numpy(rgb.astype(np.float32)).permute(2, 0, 1)[None] / 255.0
-    pixels = (pixels - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    pixels = normalized(rgb, MEAN, STD)
     model = transformers.Gemma3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         return model.get_image_features(pixels).pooler_output[0].numpy()

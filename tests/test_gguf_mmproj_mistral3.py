@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from mmproj_checks import normalized, random_image, save_checkpoint, text_and_mmproj
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken
 
-from slimtune.export import convert_hf_to_gguf
 from slimtune.export.gguf_header import read_header
-from slimtune.export.gguf_mmproj import convert_mmproj_to_gguf, llama_cpp_image_embeddings, mmproj_file_name
+from slimtune.export.gguf_mmproj import convert_mmproj_to_gguf, llama_cpp_image_embeddings
 from slimtune.models.tiny import ensure_pretrained
 from slimtune.report.run_report import _mmproj_lines
 from slimtune.spec.schema import parse_spec
@@ -74,30 +74,20 @@ def checkpoint(tmp_path_factory) -> Path:
                 p.copy_(noise / max(1, p[0].numel()) ** 0.5)
         embeddings = model.get_input_embeddings().weight
         embeddings[-1] = torch.randn(embeddings.shape[1], generator=generator) * embeddings[:-1].std()
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / "preprocessor_config.json").write_text(json.dumps({"image_mean": MEAN, "image_std": STD}))
-    return out
+    return save_checkpoint(model, tokenizer, out, MEAN, STD)
 
 
 @pytest.fixture(scope="module")
 def ggufs(checkpoint, tmp_path_factory) -> tuple[Path, Path]:
     """(text f16 GGUF, mmproj) of the checkpoint."""
-    out = tmp_path_factory.mktemp("ggufs")
-    [text] = convert_hf_to_gguf(checkpoint, out / "mm-f16.gguf", "f16")
-    return text, convert_mmproj_to_gguf(checkpoint, out / mmproj_file_name("mm"), name="mm")
-
-
-def _image(seed: int, height: int = 64, width: int = 64) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    return text_and_mmproj(checkpoint, tmp_path_factory.mktemp("ggufs"))
 
 
 def _transformers_embeddings(checkpoint: Path, rgb: np.ndarray) -> np.ndarray:
     """What the language model receives for the image in transformers: Mistral3's get_image_features on the pixels
     normalized here (to [0, 1], then MEAN and STD), a row of merged patches at a time, each but the last followed by
     [IMG_BREAK]'s embedding (Mistral's processor writes the token there), not through the module under test."""
-    pixels = torch.from_numpy(rgb.astype(np.float32)).permute(2, 0, 1)[None] / 255.0
-    pixels = (pixels - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    pixels = normalized(rgb, MEAN, STD)
     model = transformers.Mistral3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
     height, width = rgb.shape[:2]
     with torch.no_grad():
@@ -131,8 +121,8 @@ def _off(ours: np.ndarray, reference: np.ndarray, height: int, width: int) -> tu
 def test_llama_cpp_image_embeddings_match_transformers(checkpoint, ggufs, height, width, tokens):
     pytest.importorskip("llama_cpp")
     text, mmproj = ggufs
-    ours = llama_cpp_image_embeddings(text, mmproj, _image(0, height, width))
-    reference = _transformers_embeddings(checkpoint, _image(0, height, width))
+    ours = llama_cpp_image_embeddings(text, mmproj, random_image(0, height, width))
+    reference = _transformers_embeddings(checkpoint, random_image(0, height, width))
     # merged patches and an [IMG_BREAK] after each row but the last, in the text model's width; 48 x 64 (3 rows of
     # 4) also fixes which way the rows run
     assert ours.shape == reference.shape == (tokens, 256)
@@ -141,7 +131,7 @@ def test_llama_cpp_image_embeddings_match_transformers(checkpoint, ggufs, height
     # weight f32 in the file (7.9e-4 to 1.28e-3): ggml's own rounding on the CPU (its GELU is the tanh one,
     # transformers' the erf one: 1.6e-4 of it), not the file's f16. 2e-3 of the largest leaves 1.6x.
     assert 0 < diff < 2e-3 * scale, (diff, scale)
-    other = _transformers_embeddings(checkpoint, _image(1, height, width))
+    other = _transformers_embeddings(checkpoint, random_image(1, height, width))
     assert float(np.abs(ours - other)[np.isfinite(ours)].max()) > 0.1 * scale  # the control: another image is far off
 
 
@@ -176,8 +166,8 @@ def test_the_check_catches_a_wrong_mmproj(checkpoint, ggufs, tmp_path, mistake):
     pytest.importorskip("llama_cpp")
     text, _ = ggufs
     wrong = convert_mmproj_to_gguf(_copy(checkpoint, tmp_path / "base", **_MISTAKES[mistake]), tmp_path / "w.gguf")
-    ours = llama_cpp_image_embeddings(text, wrong, _image(0, 48, 64))
-    diff, scale = _off(ours, _transformers_embeddings(checkpoint, _image(0, 48, 64)), 48, 64)
+    ours = llama_cpp_image_embeddings(text, wrong, random_image(0, 48, 64))
+    diff, scale = _off(ours, _transformers_embeddings(checkpoint, random_image(0, 48, 64)), 48, 64)
     # measured 0.13 of the largest with CLIP's mean and std, 0.49 with the q/k rows as stored
     assert diff > 2e-3 * scale, (diff, scale)
 
