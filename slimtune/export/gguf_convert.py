@@ -242,15 +242,15 @@ def _loader(file: Path, key: str, transform: Callable[[np.ndarray], np.ndarray])
 
 def _transform_for(key: str, family: Family, n_head: int, n_kv: int) -> Callable[[np.ndarray], np.ndarray]:
     if family.permute_qk and key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-        return lambda w: _permute_rope_rows(w, n_head)
+        return lambda w: permute_rope_rows(w, n_head)
     if family.permute_qk and key.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-        return lambda w: _permute_rope_rows(w, n_kv)
+        return lambda w: permute_rope_rows(w, n_kv)
     if family.norm_offset and key.endswith("norm.weight"):
         return lambda w: w + family.norm_offset
     return lambda w: w
 
 
-def _permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Reorder each head's rows from HF's halves (x0..x{d/2-1}, y0..) to pairs (x0, y0, x1, y1, ...)."""
     head_dim = w.shape[0] // n_heads
     return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -23,7 +23,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from slimtune.export.gguf_convert import _permute_rope_rows
+from slimtune.export.gguf_convert import permute_rope_rows
 
 Transform = Callable[[np.ndarray], np.ndarray]
 _KEYS = gguf.Keys.ClipVision
@@ -175,7 +175,7 @@ class _Mistral3(MmprojFamily):
     def transform(self, key: str, hparams: dict[str, Any]) -> Transform:
         # transformers' Pixtral rotates halves of each head; ggml's rope (as the converter permutes) pairs
         if key.endswith(("attention.q_proj.weight", "attention.k_proj.weight")):
-            return lambda w: _permute_rope_rows(w, hparams[_KEYS.Attention.HEAD_COUNT])
+            return lambda w: permute_rope_rows(w, hparams[_KEYS.Attention.HEAD_COUNT])
         return lambda w: w
 
     def text_row(self, model_dir: Path, text_name: str) -> tuple[str, int] | None:
