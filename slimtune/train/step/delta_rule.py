@@ -49,9 +49,10 @@ def chunk_gated_delta_rule(
     pair_decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(later, float("-inf")).exp()
     system = (k_beta @ key.transpose(-1, -2)) * pair_decay
     fresh = torch.linalg.solve_triangular(system, value * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    reads = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    decayed = cum.exp().unsqueeze(-1)  # the decay from the chunk's start to each position
+    reads = torch.linalg.solve_triangular(system, k_beta * decayed, upper=False, unitriangular=True)
     within = (query @ key.transpose(-1, -2)) * pair_decay
-    query = query * cum.exp().unsqueeze(-1)
+    query = query * decayed
     writes = (key * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)  # (.., dk, CHUNK)
     carry = cum[..., -1].exp()[..., None, None]
     # (rows * heads) batches for baddbmm; one state per chunk, the state the chunk starts from
