@@ -203,8 +203,8 @@ def test_packed_gradients_equal_per_example_gradients(model_dir, tokenizer):
 
 
 def test_packed_rows_run_each_deltanet_layer_in_one_call(model_dir, tokenizer, monkeypatch):
-    """Several packed rows go through each Gated DeltaNet's delta rule in one call (not one per document), and
-    still give the examples' own losses."""
+    """Several packed rows go through each Gated DeltaNet's mixer (conv, gates, delta rule, norm) in one call (not
+    one per document), and still give the examples' own losses."""
     from transformers import AutoModelForCausalLM
 
     from slimtune.train.step import linear_attention
@@ -214,9 +214,9 @@ def test_packed_rows_run_each_deltanet_layer_in_one_call(model_dir, tokenizer, m
     rows = pack(examples, 96)
     assert len(rows) >= 2 and sum(len(r.seq_lens) for r in rows) >= 6
     calls = []
-    rule = linear_attention.chunk_gated_delta_rule
-    monkeypatch.setattr(linear_attention, "chunk_gated_delta_rule", lambda *a: calls.append(1) or rule(*a))
-    choose_batching(model, "packed")  # the patch takes the rule it will call
+    mixer = linear_attention.gated_delta_mixer
+    monkeypatch.setattr(linear_attention, "gated_delta_mixer", lambda *a: calls.append(1) or mixer(*a))
+    choose_batching(model, "packed")  # the patch takes the mixer math it will call
     total, count = _loss_sum_and_count(model, RowCollator("packed", tokenizer.pad_token_id)(rows))
     assert len(calls) == 3  # the tiny's three DeltaNet layers, once each for the whole batch
     alone = [_loss_sum_and_count(model, RowCollator("padded", 0)(one_per_row([e]))) for e in examples]

@@ -303,20 +303,34 @@ def test_auto_on_gpu_qlora_tiny_model(tmp_path):
         assert _rel_err(g, ref_grads[name]) < 0.05, name  # bf16 LoRA math vs peft's fp32 adapter path
 
 
-def test_compiled_delta_rule_equals_eager_at_qwen35_4b_widths():
-    """The product runs the Gated DeltaNet rule compiled on a GPU: outputs and input gradients equal the eager
-    rule's (itself equal to transformers' torch path, tests/test_delta_rule.py) at Qwen3.5-4B's widths."""
-    from slimtune.train.step.delta_rule import chunk_gated_delta_rule, compiled_chunk_gated_delta_rule
+def test_compiled_deltanet_mixer_equals_eager_at_qwen35_4b_widths():
+    """The product runs the Gated DeltaNet between its projections compiled whole on a GPU (conv, gates, delta rule,
+    gated norm): on packed rows at Qwen3.5-4B's widths (16 key / 32 value heads of 128, conv over 8192 channels),
+    outputs and the gradients of every input equal the eager function's, which the CPU tests hold to transformers'
+    (tests/test_family_qwen35.py, tests/test_delta_rule.py)."""
+    from transformers.activations import ACT2FN
+
+    from slimtune.train.step.deltanet_mixer import compiled_gated_delta_mixer, gated_delta_mixer
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, T, 32, D, device=_cuda(), generator=g).bfloat16() for _ in range(3))
-    decay = -torch.rand(2, T, 32, device=_cuda(), generator=g) * 0.3
-    decay[:, :: T // 5] = -30.0  # document starts
-    beta = torch.rand(2, T, 32, device=_cuda(), generator=g).bfloat16()
-    inputs = [x.requires_grad_() for x in (q, k, v, decay, beta)]
-    dy = torch.randn(2, T, 32, D, device=_cuda(), generator=g).bfloat16()
-    eager = chunk_gated_delta_rule(*inputs)
-    compiled = compiled_chunk_gated_delta_rule()(*inputs)
+
+    def rand(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, device=_cuda(), generator=g) * scale).to(dtype).requires_grad_()
+
+    key_dim, value_dim, heads = 16 * D, 32 * D, 32
+    qkv, z = rand(2, T, 2 * key_dim + value_dim), rand(2, T, value_dim)
+    b, a = rand(2, T, heads), rand(2, T, heads)
+    conv_weight, norm_weight = rand(2 * key_dim + value_dim, 1, 4, scale=0.5), rand(D, scale=0.1)
+    a_log, dt_bias = rand(heads, scale=0.5, dtype=torch.float32), rand(heads, dtype=torch.float32)
+    starts = torch.zeros(2, T, dtype=torch.bool, device=_cuda())
+    starts[:, torch.tensor([0, 300, 301, 1000, 1999])] = True  # documents of 300, 1, 699, 999 and 49 tokens
+    positions = torch.arange(T, device=_cuda()) - (starts * torch.arange(T, device=_cuda())).cummax(1).values
+    inputs = [qkv, z, b, a, positions, conv_weight, None, a_log, dt_bias, norm_weight]
+    rest = (ACT2FN["silu"], key_dim, D, D, 1e-6)
+    dy = torch.randn(2, T, value_dim, device=_cuda(), generator=g).bfloat16()
+    eager = gated_delta_mixer(*inputs, *rest)
+    compiled = compiled_gated_delta_mixer()(*inputs, *rest)
     assert _rel_err(compiled, eager) < BF16_REL
-    for a, b in zip(torch.autograd.grad(compiled, inputs, dy), torch.autograd.grad(eager, inputs, dy), strict=True):
-        assert _rel_err(a, b) < BF16_REL
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    for x, c, e in zip(leaves, torch.autograd.grad(compiled, leaves, dy), torch.autograd.grad(eager, leaves, dy)):
+        assert _rel_err(c, e) < BF16_REL, tuple(x.shape)

@@ -8,15 +8,12 @@ predict (one batched matmul-add) and the next state (a scale and a matmul-add), 
 outputs come after the loop from the stacked states in two batched matmuls. The math is transformers' (same chunk
 size, fp32 inside, the same triangular solve), so the two agree to fp32 rounding: tests/test_delta_rule.py.
 
-On a GPU the rule runs compiled: forward + backward of one layer at Qwen3.5-4B's widths and 4 x 2048 tokens took
-44.2 ms through transformers' path, 31.4 ms through this one eagerly and 12.4 ms compiled (H200,
-`python3 benchmarks/deltanet_speed.py --compile`). The first call of each shape compiles (tens of seconds).
+On a GPU the rule runs compiled, inside the whole mixer (`slimtune.train.step.deltanet_mixer`): forward + backward
+of the rule alone at Qwen3.5-4B's widths and 4 x 2048 tokens took 44.2 ms through transformers' path, 31.4 ms
+through this one eagerly and 12.4 ms compiled (H200, `python3 benchmarks/deltanet_speed.py --compile`).
 """
 
 from __future__ import annotations
-
-import functools
-from collections.abc import Callable
 
 import torch
 
@@ -70,9 +67,3 @@ def chunk_gated_delta_rule(
     out = query @ states + within @ news
     out = out.reshape(rows, heads, -1, dv)[:, :, :length]
     return out.transpose(1, 2).to(dtype).contiguous()
-
-
-@functools.cache
-def compiled_chunk_gated_delta_rule() -> Callable[..., torch.Tensor]:
-    """`chunk_gated_delta_rule` through torch.compile (one compiled function per process; shapes as they come)."""
-    return torch.compile(chunk_gated_delta_rule)

@@ -10,11 +10,12 @@ kept apart by transformers' block mask from the same position ids.
 instance forward that runs the whole batch in one call, as transformers does, with the documents kept apart:
 - the conv sums its taps itself, each tap masked where it would reach before the token's document start (a
   position below the tap's offset), so a document's first tokens see zeros, as at the start of a row;
-- at each document's first token the log-decay `g` is set to `_RESET`: the gated delta rule scales the state it
-  carries in by exp(g) before adding the token's update, so the previous document's state enters as e^-30
-  (~1e-13) of itself. That is the reset of a fresh document, up to rounding, and it needs no document offsets:
-  the chunked kernel (ours, `delta_rule`, or flash-linear-attention's Triton kernel where installed) runs
-  unchanged, one launch sequence per layer however many documents a row holds.
+- at each document's first token the log-decay `g` is set to `deltanet_mixer.RESET`: the gated delta rule
+  scales the state it carries in by exp(g) before adding the token's update, so the previous document's state
+  enters as e^-30 (~1e-13) of itself. That is the reset of a fresh document, up to rounding, and it needs no
+  document offsets: the chunked kernel (ours, `delta_rule`, or flash-linear-attention's Triton kernel where
+  installed) runs unchanged, one launch sequence per layer however many documents a row holds.
+The mixer's math between its projections is `slimtune.train.step.deltanet_mixer`'s, compiled whole on a GPU.
 The decoder layer is called once (its norms and MLP batched, checkpointing's per-layer bookkeeping unchanged); a
 recompute in backward reads the position ids of the forward it repeats. Padded batches (a mask) and generation
 (a cache) go through the original forward. The position ids live outside the layers' arguments, so CUDA graphs
@@ -32,12 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from slimtune.kernels.instance_patch import KernelPatch, replace_forward
-from slimtune.train.step.delta_rule import chunk_gated_delta_rule, compiled_chunk_gated_delta_rule
+from slimtune.train.step.deltanet_mixer import compiled_gated_delta_mixer, gated_delta_mixer
 
 _MARK = "_slimtune_documents"
-# The log-decay at a document's first token: the state carried in is scaled by e^-30 (~1e-13). Larger magnitudes
-# cost precision in the kernels' running sums of g within a chunk (fp32: ~1e-7 of the sum's magnitude).
-_RESET = -30.0
 
 
 @dataclass
@@ -61,27 +59,28 @@ def isolate_documents(model: torch.nn.Module) -> KernelPatch:
         documents = _Documents()
         hook = text_model.register_forward_pre_hook(functools.partial(_record, documents), with_kwargs=True)
         patch.on_undo(hook.remove)
+        acts: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # one per name: the compiled mixer sees
+        # the same function in every layer
         for mixer in [m for m in text_model.modules() if isinstance(m, Qwen3_5GatedDeltaNet)]:
-            act, rule = ACT2FN[mixer.activation], _delta_rule(mixer.A_log.device)
-            replace_forward(mixer, _packed, patch, documents=documents, rule=rule, act=act)
+            act = acts.setdefault(mixer.activation, ACT2FN[mixer.activation])
+            replace_forward(mixer, _packed, patch, documents=documents, math=_mixer(mixer.A_log.device), act=act)
         setattr(text_model, _MARK, True)
         patch.on_undo(lambda text_model=text_model: delattr(text_model, _MARK))
     return patch
 
 
-def _delta_rule(device: torch.device) -> Callable[..., torch.Tensor]:
-    """flash-linear-attention's chunked kernel (through transformers) where it is installed, else ours, compiled on
-    a GPU: transformers' torch fallback scans the chunks with several times the launches
-    (`slimtune.train.step.delta_rule`)."""
+def _mixer(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The mixer between its projections: with flash-linear-attention's chunked kernel (through transformers) where
+    it is installed, else with ours, the whole compiled on a GPU (`slimtune.train.step.deltanet_mixer`)."""
     if importlib.util.find_spec("fla") is None:
-        return compiled_chunk_gated_delta_rule() if device.type == "cuda" else chunk_gated_delta_rule
+        return compiled_gated_delta_mixer() if device.type == "cuda" else gated_delta_mixer
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     def fla(query, key, value, g, beta):
         out, _ = torch_chunk_gated_delta_rule(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
         return out
 
-    return fla
+    return functools.partial(gated_delta_mixer, rule=fla)
 
 
 def _record(documents: _Documents, _module: torch.nn.Module, _args: tuple, kwargs: dict) -> None:
@@ -99,7 +98,7 @@ def _packed(
     cache_params=None,
     attention_mask: torch.Tensor | None = None,
     documents: _Documents | None = None,
-    rule: Callable[..., torch.Tensor] | None = None,
+    math: Callable[..., torch.Tensor] | None = None,
     act: Callable[[torch.Tensor], torch.Tensor] | None = None,
     **kwargs,
 ) -> torch.Tensor:
@@ -110,37 +109,21 @@ def _packed(
         raise ValueError(
             f"position ids of shape {tuple(positions.shape)} for hidden states {tuple(hidden_states.shape)}"
         )
-    rows, length, _ = hidden_states.shape
-    mixed = _conv_within_documents(mixer.in_proj_qkv(hidden_states), mixer.conv1d, positions)
-    mixed = act(mixed).to(hidden_states.dtype)
-    query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
-    query = query.reshape(rows, length, -1, mixer.head_k_dim)
-    key = key.reshape(rows, length, -1, mixer.head_k_dim)
-    value = value.reshape(rows, length, -1, mixer.head_v_dim)
-    if mixer.num_v_heads > mixer.num_k_heads:  # each query/key head serves that many value heads: the rules take
-        # them repeated (transformers >= 5.23's would repeat them itself; repeated ones pass through it unchanged)
-        query = query.repeat_interleave(mixer.num_v_heads // mixer.num_k_heads, dim=2)
-        key = key.repeat_interleave(mixer.num_v_heads // mixer.num_k_heads, dim=2)
-    beta = mixer.in_proj_b(hidden_states).sigmoid()
-    g = -mixer.A_log.float().exp() * torch.nn.functional.softplus(
-        mixer.in_proj_a(hidden_states).float() + mixer.dt_bias
+    out = math(
+        mixer.in_proj_qkv(hidden_states),
+        mixer.in_proj_z(hidden_states),
+        mixer.in_proj_b(hidden_states),
+        mixer.in_proj_a(hidden_states),
+        positions,
+        mixer.conv1d.weight,
+        mixer.conv1d.bias,
+        mixer.A_log,
+        mixer.dt_bias,
+        mixer.norm.weight,
+        act,
+        mixer.key_dim,
+        mixer.head_k_dim,
+        mixer.head_v_dim,
+        mixer.norm.variance_epsilon,
     )
-    g = g.masked_fill((positions == 0).unsqueeze(-1), _RESET)
-    out = rule(query, key, value, g, beta)
-    z = mixer.in_proj_z(hidden_states).reshape(-1, mixer.head_v_dim)
-    out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z).reshape(rows, length, -1)
     return mixer.out_proj(out)
-
-
-def _conv_within_documents(x: torch.Tensor, conv: torch.nn.Conv1d, positions: torch.Tensor) -> torch.Tensor:
-    """`conv` (depthwise, causal) over `x` (rows, length, channels), each tap reaching no further back than the
-    token's document start; in the conv weight's dtype, as transformers computes it."""
-    weight = conv.weight.squeeze(1)  # (channels, taps): the last tap multiplies the token itself
-    taps = weight.shape[1]
-    x = x.to(weight.dtype)
-    out = x * weight[:, -1]
-    for back in range(1, taps):
-        earlier = torch.nn.functional.pad(x[:, :-back], (0, 0, back, 0))
-        reach = (positions >= back).unsqueeze(-1).to(x.dtype)  # that token is in this token's document
-        out = out + earlier * reach * weight[:, -1 - back]
-    return out if conv.bias is None else out + conv.bias
