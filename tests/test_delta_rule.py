@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimtune.train.step.delta_rule import chunk_gated_delta_rule
+from slimtune.train.step.delta_rule import CHUNK, chunk_gated_delta_rule, unit_lower_inverse
 
 
 @pytest.mark.parametrize("length", [64, 150])  # whole chunks, and a padded last chunk
@@ -47,3 +47,17 @@ def test_a_reset_start_forgets_what_came_before():
     after = chunk_gated_delta_rule(q, k, v2, g, beta)
     assert (before[:, :40] - after[:, :40]).abs().max() > 1e-2
     torch.testing.assert_close(before[:, 40:], after[:, 40:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("size", [1, 2, 8, CHUNK])
+def test_unit_lower_inverse_equals_a_triangular_solve(size):
+    """The explicit inverse the rule multiplies by solves what the triangular solve it replaced solved: only the
+    strictly lower part is read (the diagonal taken as 1), and its product with the matrix is the identity."""
+    torch.manual_seed(2)
+    matrix = torch.randn(3, 2, size, size, dtype=torch.float64) * 0.2  # entries like k_beta k^T's with decay
+    inverse = unit_lower_inverse(matrix)
+    identity = torch.eye(size, dtype=torch.float64).expand_as(matrix)
+    solved = torch.linalg.solve_triangular(matrix, identity, upper=False, unitriangular=True)
+    torch.testing.assert_close(inverse, solved, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(inverse @ (matrix.tril(-1) + identity), identity, atol=1e-12, rtol=0)
+    assert torch.equal(unit_lower_inverse(matrix + torch.randn_like(matrix).triu()), inverse)
