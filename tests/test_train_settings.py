@@ -134,9 +134,9 @@ def test_graphs_are_on_where_their_estimate_fits_and_off_on_a_retry(tmp_path):
 
 
 def test_linear_attention_layers_count_their_larger_activations(tmp_path):
-    """Qwen3.5's Gated DeltaNet layers keep 1.8x what an attention layer keeps at Qwen3.5-4B's widths (measured):
-    the estimate counts each stored layer at that; auto stores every layer without a budget and, under one, what
-    fits at that count; an explicit count is still honoured."""
+    """Qwen3.5's Gated DeltaNet layers keep more than an attention layer (1.5x compiled on an H200, 1.8x eager on
+    the CPU, at Qwen3.5-4B's widths): the estimate counts each stored layer at the GPU's factor; auto stores every
+    layer without a budget and, under one, what fits at that count; an explicit count is still honoured."""
     from slimtune.memory import estimate as estimates
 
     qwen35 = {
@@ -165,7 +165,9 @@ def test_linear_attention_layers_count_their_larger_activations(tmp_path):
     est = estimates.estimate_train(
         qwen35, micro_batch=4, seq_len=2048, lora_r=16, target_modules=targets, checkpointing="unsloth", stored_layers=8
     )
-    assert est.breakdown["gpu: activations of the stored layers"] == 8 * int(4 * 2048 * int(counted * 1.8))
+    factor = estimates._LINEAR_ATTENTION_ACTIVATIONS
+    assert factor > 1
+    assert est.breakdown["gpu: activations of the stored layers"] == 8 * int(4 * 2048 * int(counted * factor))
     budget = train_estimate(spec, qwen35, 4, "unsloth", "cuda", stored_layers=8).gpu_bytes
     stored = resolve_train(spec, qwen35, "cuda", fits=lambda est: est.gpu_bytes <= budget).stored_layers
     assert 0 < stored <= 8

@@ -67,12 +67,13 @@ _OFFLOAD_IN_FLIGHT = 3
 # 22.03: at most 0.91 of it was reused. At 0.75 each of the 9 runs (7 with stored layers) of
 # benchmarks/results/memory/h200-2026-11-27-stored-layers{,-b}.json estimates within 1.0-1.15 x measured.
 _STORED_REUSED = 0.75
-# A Gated DeltaNet layer (Qwen3.5) saves 1.8x what the model's attention layer saves at Qwen3.5-4B's widths (678 vs
-# 380 KB per token, eager, saved-tensor hooks: benchmarks/deltanet_activations.py; 2.3x on the tiny), counted as
-# every layer keeping that. On an H200 (compiled rule, 4 x 2048, all 32 layers stored) the run held 76.73 GiB of
-# the card where this estimates 83.2 (1.08x; at 2.3x it was 104.9, 1.37x): benchmarks/results/families/
-# h200-2026-11-27b-qwen35-issue42.md.
-_LINEAR_ATTENTION_ACTIVATIONS = 1.8
+# A Gated DeltaNet layer (Qwen3.5), counted as every layer keeping that much more than the model's attention layer.
+# Eager on the CPU it saves 1.8x (678 vs 380 KB per token at Qwen3.5-4B's widths, saved-tensor hooks:
+# benchmarks/deltanet_activations.py; 2.3x on the tiny); on a GPU the mixer runs compiled
+# (slimtune.train.step.deltanet_mixer), whose backward recomputes its element-wise parts and saves less. On an
+# H200 (4 x 2048, all 32 layers stored) the compiled mixer held 66.98 GiB of the card, where 1.8x estimated 83.2
+# (1.24x) and 1.5x estimates 70.2 (1.05x): benchmarks/results/families/h200-2026-11-27c-qwen35-issue42.md.
+_LINEAR_ATTENTION_ACTIVATIONS = 1.5
 _STORED_TERMS = ("activations (no checkpointing)", "activations of the stored layers", "checkpointed layer inputs")
 _WEIGHT_TERMS = ("nf4 linears", "embeddings and lm_head", "norms and biases")
 _STATE_TERMS = ("lora weights and grads (fp32)", "optimizer state", _CONTEXT_TERM)
