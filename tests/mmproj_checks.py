@@ -13,11 +13,12 @@ from slimtune.export import convert_hf_to_gguf
 from slimtune.export.gguf_mmproj import convert_mmproj_to_gguf, mmproj_file_name
 
 
-def save_checkpoint(model, tokenizer, out: Path, mean: list[float], std: list[float]) -> Path:
-    """`model` and `tokenizer` saved as transformers saves them, with a preprocessor_config.json of `mean`/`std`."""
+def save_checkpoint(model, tokenizer, out: Path, mean: list[float], std: list[float], **processor) -> Path:
+    """`model` and `tokenizer` saved as transformers saves them, with a preprocessor_config.json of `mean`/`std` (and
+    `processor`'s other fields)."""
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std}))
+    (out / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std, **processor}))
     return out
 
 

@@ -24,11 +24,13 @@ from safetensors.torch import load_file, save_file
 
 from slimtune.export.gguf_header import read_header
 from slimtune.export.gguf_mmproj import (
+    MMPROJ_MODEL_TYPES,
     convert_mmproj_to_gguf,
     llama_cpp_image_embeddings,
     writes_mmproj,
 )
 from slimtune.inference.generate import pick_gguf
+from slimtune.models.multimodal import LAYOUTS
 from slimtune.models.tiny import ensure_builtin, ensure_pretrained
 from slimtune.report.run_report import write_run_report
 from slimtune.spec.schema import PipelineSpec, parse_spec
@@ -169,9 +171,10 @@ def test_each_key_layout_gives_the_same_mmproj(checkpoint, ggufs, tmp_path, layo
 
 def test_other_checkpoints_and_unrunnable_vision_configs_are_refused(checkpoint, tmp_path):
     config = json.loads((checkpoint / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gemma4"}))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llava"}))
     assert not writes_mmproj(tmp_path)
-    with pytest.raises(ValueError, match="model_type 'gemma4' has no mmproj writer; supported: gemma3, mistral3"):
+    supported = "supported: gemma3, mistral3, qwen3_5, gemma4"
+    with pytest.raises(ValueError, match=f"model_type 'llava' has no mmproj writer; {supported}"):
         convert_mmproj_to_gguf(tmp_path, tmp_path / "x.gguf")
     vision = {**config["vision_config"], "intermediate_size": 32}
     (tmp_path / "config.json").write_text(json.dumps({**config, "mm_tokens_per_image": 9, "vision_config": vision}))
@@ -183,15 +186,14 @@ def test_other_checkpoints_and_unrunnable_vision_configs_are_refused(checkpoint,
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".x*"))
 
 
-def test_other_multimodal_checkpoints_and_unrunnable_towers_export_the_text_gguf_alone_and_say_so(
+def test_every_multimodal_layout_gets_an_mmproj_and_unrunnable_towers_export_the_text_gguf_alone_and_say_so(
     checkpoint, tmp_path, caplog
 ):
+    assert set(MMPROJ_MODEL_TYPES) == set(LAYOUTS)  # a multimodal checkpoint slimtune trains keeps its vision in GGUF
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert _mmproj(PipelineSpec(name="r"), tmp_path, tmp_path, [tmp_path / "r.gguf"]) is None  # a text checkpoint
     config = json.loads((checkpoint / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gemma4"}))
     caplog.set_level(logging.INFO, logger="slimtune.tasks.gguf_convert_and_push")
-    assert _mmproj(PipelineSpec(name="r"), tmp_path, tmp_path, [tmp_path / "r.gguf"]) is None
-    assert "no mmproj file for the gemma4 checkpoint" in caplog.text
-    assert "for gemma3, mistral3 checkpoints only" in caplog.text
     # a Gemma 3 vision config llama.cpp would run differently: the text GGUFs stand, the record and log say why
     (tmp_path / "config.json").write_text(json.dumps({**config, "mm_tokens_per_image": 9}))
     record = _mmproj(PipelineSpec(name="r"), tmp_path, tmp_path, [tmp_path / "r.gguf"])

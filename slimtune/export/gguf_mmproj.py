@@ -1,4 +1,4 @@
-"""llama.cpp's vision projector file (`mmproj`) from a merged Gemma 3 or Mistral 3 multimodal checkpoint.
+"""llama.cpp's vision projector file (`mmproj`) from a merged Gemma 3, Mistral 3, Qwen3.5 or Gemma 4 checkpoint.
 
 slimtune trains the language model only; `merged/` keeps the vision tower and projector as stored, and the text GGUF
 holds the language model. llama.cpp reads images through a second GGUF (`llama-mtmd-cli -m text.gguf --mmproj
@@ -8,8 +8,8 @@ tensors, which its clip loader (tools/mtmd/clip.cpp) runs by projector type into
 like `gguf_convert` (memory bounded by the largest tensor), and checks it the way llama-mtmd-cli uses it: llama.cpp's
 mtmd (text GGUF + mmproj) embeds an image, compared with transformers' `get_image_features` on the same pixels.
 
-Gemma 3 (`Gemma3ForConditionalGeneration`) and Mistral 3 (`Mistral3ForConditionalGeneration`) get one: Gemma 4's
-and Qwen3.5's towers have other projector types in llama.cpp, not written here yet.
+Gemma 3 (`Gemma3ForConditionalGeneration`), Mistral 3 (`Mistral3ForConditionalGeneration`), Qwen3.5
+(`Qwen3_5ForConditionalGeneration`) and Gemma 4 (`Gemma4ForConditionalGeneration`, its vision tower) get one.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from slimtune.models.multimodal import text_key
 Q = gguf.GGMLQuantizationType
 MMPROJ_MODEL_TYPES = tuple(MMPROJ_FAMILIES)  # config.json model_type of the checkpoints an mmproj file is written for
 MMPROJ_GGUF_SUFFIX = "-mmproj-f16.gguf"  # <run name>-mmproj-f16.gguf beside the model GGUFs; not a model itself
+# what follows a module's name in a stored key: its parameters, and the bounds of Gemma 4's clipped linears
+_SUFFIXES = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ def mmproj_file_name(name: str) -> str:
 
 
 def writes_mmproj(model_dir: Path) -> bool:
-    """Whether `model_dir`'s checkpoint gets an mmproj file: a Gemma 3 or Mistral 3 multimodal one."""
+    """Whether `model_dir`'s checkpoint gets an mmproj file: a `MMPROJ_MODEL_TYPES` multimodal one."""
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     return config.get("model_type") in MMPROJ_MODEL_TYPES
 
@@ -59,8 +61,8 @@ def writes_mmproj(model_dir: Path) -> bool:
 def convert_mmproj_to_gguf(model_dir: Path, out_path: Path, *, name: str | None = None) -> Path:
     """Write llama.cpp's f16 vision projector GGUF for the multimodal checkpoint in `model_dir`.
 
-    Norms and biases (and Gemma 3's patch convolution and position table) stay f32 as llama.cpp's converter keeps
-    them; the other matrices are f16. The file appears under `out_path` only once complete.
+    Norms and biases (and Gemma 3's patch convolution and position table, Gemma 4's position tables) stay f32 as
+    llama.cpp's converter keeps them; the other matrices are f16. The file appears under `out_path` only once complete.
 
     Args:
         model_dir: a `save_pretrained` folder of a `MMPROJ_MODEL_TYPES` checkpoint (e.g. `merged/`).
@@ -118,12 +120,15 @@ def _hparams(model_dir: Path, config: dict[str, Any], family: MmprojFamily) -> d
 
 
 def _mean_std(model_dir: Path, family: MmprojFamily) -> tuple[list[float], list[float]]:
-    """The image processor's normalization, which llama.cpp applies after scaling pixels to [0, 1]."""
+    """The image processor's normalization, which llama.cpp applies after scaling pixels to [0, 1]: none (mean 0,
+    std 1) where the processor does not normalize, whatever mean and std its config lists."""
     for file, section in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
         path = model_dir / file
         if path.is_file():
             processor = json.loads(path.read_text(encoding="utf-8"))
             processor = processor.get(section, {}) if section else processor
+            if not processor.get("do_normalize", family.do_normalize):
+                return [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]
             if "image_mean" in processor and "image_std" in processor:
                 return [float(v) for v in processor["image_mean"]], [float(v) for v in processor["image_std"]]
     return family.mean_std
@@ -146,7 +151,7 @@ def _plan(model_dir: Path, family: MmprojFamily, hparams: dict[str, Any]) -> lis
         key = family.vision_key(stored)
         if key is None:
             continue
-        name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
+        name = name_map.get_name(key, try_suffixes=_SUFFIXES)
         if name is None:
             raise ValueError(
                 f"{file.name}: tensor {stored!r} has no name in llama.cpp's {family.projector} mmproj; "
@@ -154,13 +159,23 @@ def _plan(model_dir: Path, family: MmprojFamily, hparams: dict[str, Any]) -> lis
             )
         with safe_open(file, framework="pt") as f:
             shape = tuple(f.get_slice(stored).get_shape())
-        qtype = Q.F32 if family.f32(key, shape) else Q.F16
-        tensors.append(_Tensor(name, _loader(file, stored, family.transform(key, hparams)), shape, qtype))
+        transform = family.transform(key, hparams)
+        for suffix, piece_shape, piece in family.pieces(key, shape):
+            qtype = Q.F32 if family.f32(key, piece_shape) else Q.F16
+            load = _loader(file, stored, _then(transform, piece))
+            tensors.append(_Tensor(name + suffix, load, piece_shape, qtype))
     if not any(t.name.startswith("mm.") for t in tensors):
         raise ValueError(
             f"{model_dir}: no multi_modal_projector.* tensors; is this a merged {family.architecture} checkpoint?"
         )
     return tensors
+
+
+def _then(
+    first: Callable[[np.ndarray], np.ndarray], second: Callable[[np.ndarray], np.ndarray]
+) -> Callable[[np.ndarray], np.ndarray]:
+    """`second` after `first`."""
+    return lambda w: second(first(w))
 
 
 def _row_loader(file: Path, key: str, row: int) -> Callable[[], np.ndarray]:
@@ -250,8 +265,8 @@ def transformers_image_embeddings(model_dir: Path, rgb: np.ndarray) -> np.ndarra
 
 def verify_mmproj(mmproj: Path, text_gguf: Path, model_dir: Path, seed: int = 0) -> dict[str, Any]:
     """Compare llama.cpp's image embeddings (text GGUF + mmproj) with transformers' on the checkpoint in `model_dir`,
-    for a seeded random image of a size neither side resizes (Gemma 3's image_size; Mistral 3's too, or llama.cpp's
-    largest square of merged patches).
+    for a seeded random image of a size neither side resizes (the family's `verify_size`: Gemma 3's image_size,
+    Mistral 3's and Qwen3.5's within llama.cpp's token limits, Gemma 4's fewest tokens llama.cpp keeps).
 
     Returns:
         A JSON-able dict: mmproj, image_size, tokens, max_abs_diff and max_abs_embedding over the tokens llama.cpp

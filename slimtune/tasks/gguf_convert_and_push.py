@@ -24,7 +24,6 @@ from slimtune.export import (
 )
 from slimtune.export.gguf_adapter import ADAPTER_GGUF_SUFFIX, convert_adapter_to_gguf, verify_adapter_gguf
 from slimtune.export.gguf_mmproj import (
-    MMPROJ_MODEL_TYPES,
     convert_mmproj_to_gguf,
     mmproj_file_name,
     verify_mmproj,
@@ -35,7 +34,6 @@ from slimtune.export.gguf_verify import check_complete
 from slimtune.export.model_card import base_license, chat_template_outcome
 from slimtune.export.previous_gguf import set_aside_previous_ggufs
 from slimtune.merge.nf4 import TRAINING_NF4
-from slimtune.models.multimodal import layout_of
 from slimtune.plan.run_plan import RunPlan, plan_for
 from slimtune.spec.schema import PipelineSpec
 
@@ -94,20 +92,10 @@ LORA_FACTS = ("r", "alpha", "dropout", "target_modules", "use_rslora")
 
 
 def _mmproj(spec: PipelineSpec, merged_dir: Path, out_dir: Path, files: list[Path]) -> dict | None:
-    """Gemma 3 and Mistral 3: llama.cpp's vision projector GGUF beside the text GGUFs, checked whole and
-    (export.verify) its image embeddings against transformers' ({"skipped": why} for a vision config llama.cpp cannot
-    run); None for other checkpoints."""
-    if not files:
-        return None
-    if not writes_mmproj(merged_dir):
-        layout = layout_of(json.loads((merged_dir / "config.json").read_text(encoding="utf-8")))
-        if layout is not None:
-            log.info(
-                "no mmproj file for the %s checkpoint: llama.cpp's vision projector is written for %s checkpoints "
-                "only; the GGUF holds the language model",
-                layout.model_type,
-                ", ".join(MMPROJ_MODEL_TYPES),
-            )
+    """Every multimodal layout slimtune trains (Gemma 3, Mistral 3, Qwen3.5, Gemma 4): llama.cpp's vision projector
+    GGUF beside the text GGUFs, checked whole and (export.verify) its image embeddings against transformers'
+    ({"skipped": why} for a vision config llama.cpp cannot run); None for a text checkpoint."""
+    if not files or not writes_mmproj(merged_dir):
         return None
     try:
         path = convert_mmproj_to_gguf(merged_dir, out_dir / mmproj_file_name(spec.name), name=spec.name)
