@@ -2,7 +2,7 @@
 
 The CLI module is imported by every command (`--help`, `init`, a spec error that exits 2), so it loads no ML
 library and no Prefect; the flow's imports load no plotting, tracker, llama.cpp or Ray module (those are imported
-where used: Ray only for a `train.cluster` run).
+where used: Ray only for a `train.cluster` run), nor transformers' Trainer (the packed_sft stage imports it).
 """
 
 from __future__ import annotations
@@ -27,3 +27,11 @@ def test_cli_module_imports_no_ml_library_or_prefect():
 
 def test_flow_imports_no_plotting_tracker_llama_cpp_or_ray():
     assert _loaded("import slimtune.flows.finetune", _FOREIGN) == []
+
+
+def test_flow_imports_no_trainer_peft_or_bitsandbytes():
+    # transformers' Trainer modules import peft, which imports bitsandbytes: ~6 of the flow module's ~11 s of imports
+    # on 2 cores, paid by every process that loads the flow (the worker's crash-hook process, a run that fails its
+    # checks) before it knows whether it trains. The stage that trains imports them when it runs.
+    trainer = ("transformers.trainer", "transformers.trainer_utils", "peft", "bitsandbytes")
+    assert _loaded("import slimtune.flows.finetune", trainer) == []

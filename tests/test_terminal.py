@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slimtune.data import load_examples
 from slimtune.spec.schema import DataSpec, TrainSpec
 from slimtune.models.tiny import DATA_FILE, save_tiny
-from slimtune.train import train_adapter
+from slimtune.train.trainer import train_adapter
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s - %(message)s")
 root = Path(sys.argv[1])

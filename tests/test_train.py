@@ -19,9 +19,11 @@ from slimtune.data import load_examples
 from slimtune.models.lora_targets import lora_target_modules
 from slimtune.models.tiny import DATA_FILE, save_tiny
 from slimtune.spec.schema import DataSpec, TrainSpec
-from slimtune.train import PrefectProgressCallback, latest_checkpoint, train_adapter
+from slimtune.train import latest_checkpoint
+from slimtune.train.callbacks import PrefectProgressCallback
 from slimtune.train.checkpoints import COMPLETE
 from slimtune.train.step import enable_checkpointing
+from slimtune.train.trainer import train_adapter
 
 CRASH_AT, SAVE_EVERY = 5, 3  # the crash comes after checkpoint-3 and before checkpoint-6
 

@@ -27,8 +27,8 @@ from slimtune.flows.stages import dequant_merge_task, eval_prompts_task, gguf_ta
 from slimtune.plan.fit import POOL_STAGES, Budget, job_variables, pool_needs
 from slimtune.plan.fit import plan as plan_stages
 from slimtune.plan.run_plan import RunPlan, resolve_plan
+from slimtune.report.run_log import run_logger
 from slimtune.spec.schema import PipelineSpec
-from slimtune.train.callbacks import run_logger
 
 EXPORT_FLOW = "finetune-export"
 _RESULT = "export.json"

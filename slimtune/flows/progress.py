@@ -15,8 +15,8 @@ import time
 
 from slimtune.plan.run_plan import RunPlan
 from slimtune.report.artifacts import progress_key, publish_progress, stage_span, stage_title
+from slimtune.report.run_log import duration, run_logger
 from slimtune.spec.schema import PipelineSpec
-from slimtune.train.callbacks import duration, run_logger
 
 
 def _detail(spec: PipelineSpec, plan: RunPlan, stage: str) -> str:

@@ -36,11 +36,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import TrainerControl, TrainerState
 
 from slimtune.core import atomic
+from slimtune.report.run_log import PROGRESS_EVENT, run_logger
 from slimtune.spec.schema import PipelineSpec
-from slimtune.train.callbacks import PROGRESS_EVENT, ProgressEvents, run_logger, stage_progress
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +181,9 @@ class ProgressRelay:
     """Replays rank 0's progress lines (`ProgressEvents`) into this task's progress artifact and loss curve."""
 
     def __init__(self, run_name: str) -> None:
+        # the Trainer's callbacks, imported by a run on several GPUs only: the flow module loads this one
+        from slimtune.train.callbacks import stage_progress
+
         self.progress = stage_progress(run_name)
 
     def feed(self, line: str) -> bool:
@@ -193,6 +195,8 @@ class ProgressRelay:
             event = json.loads(line[at + len(PROGRESS_EVENT) :])
         except ValueError:  # cut or interleaved by the launcher: the next line brings the figures again
             return False
+        from transformers import TrainerControl, TrainerState
+
         state = TrainerState(
             global_step=event["step"], max_steps=event["max_steps"], log_history=event.get("history", [])
         )
@@ -288,6 +292,7 @@ def train_rank(job: dict, device_index: int, callbacks: list | None = None) -> d
     from slimtune.tasks.attach_lora import attach_lora
     from slimtune.tasks.load_4bit import load_4bit
     from slimtune.tasks.packed_sft import packed_sft, prepare_data
+    from slimtune.train.callbacks import ProgressEvents
 
     spec = PipelineSpec.model_validate(job["spec"])
     if job["backend"] == "nccl":

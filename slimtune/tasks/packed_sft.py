@@ -5,17 +5,19 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import TrainerCallback
 
 from slimtune.core import registry
 from slimtune.export.model_card import write_adapter_card
 from slimtune.plan.run_plan import RunPlan, plan_for
 from slimtune.spec.schema import PipelineSpec
-from slimtune.train import TrainReport, train_adapter
+from slimtune.train.result import TrainReport
 from slimtune.train.step import enable_checkpointing
-from slimtune.train.trackers import tracker_params
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,10 @@ def packed_sft(
                 param.copy_(initial[name])
     tokenizer, examples = registry.get(examples_handle)
     plan = plan_for(spec, plan)
+    # transformers' Trainer (and with it peft, bitsandbytes): imported by the stage that trains, not by the flow module
+    from slimtune.train.trackers import tracker_params
+    from slimtune.train.trainer import train_adapter
+
     report = train_adapter(
         model,
         tokenizer,

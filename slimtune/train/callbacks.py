@@ -26,19 +26,11 @@ from slimtune.report.artifacts import (
     stage_title,
 )
 from slimtune.report.charts import LOSS_CURVE_KIND, loss_curve_png, publish_image
+from slimtune.report.run_log import PROGRESS_EVENT, duration, run_logger
 from slimtune.train.terminal import STEP_RECORD
 
 log = logging.getLogger("slimtune.train")
 _GIB = 1024**3
-
-
-def run_logger() -> logging.Logger | logging.LoggerAdapter:
-    """Prefect's run logger inside a flow or task run (its lines go to the API and the console), else ours."""
-    if not in_run():
-        return log
-    from prefect.logging import get_run_logger
-
-    return get_run_logger()
 
 
 def memory_text() -> str:
@@ -227,10 +219,6 @@ def stage_progress(run_name: str) -> PrefectProgressCallback:
     )
 
 
-# Marks rank 0's progress lines on its output, wherever a launcher puts them in the line (Ray prefixes the worker).
-PROGRESS_EVENT = "slimtune-progress "
-
-
 class ProgressEvents(TrainerCallback):
     """Rank 0's training progress as lines on stdout, for the flow process that launched the ranks (torchrun, Ray).
 
@@ -260,13 +248,3 @@ class ProgressEvents(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         self._emit(state, "end")
-
-
-def duration(seconds: float) -> str:
-    """ "1h 5m", "2m 3s", "42s"."""
-    seconds = int(round(seconds))
-    if seconds >= 3600:
-        return f"{seconds // 3600}h {seconds % 3600 // 60}m"
-    if seconds >= 60:
-        return f"{seconds // 60}m {seconds % 60}s"
-    return f"{seconds}s"

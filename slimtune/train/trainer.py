@@ -33,11 +33,12 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from slimtune.core import atomic
 from slimtune.data import TOKEN_COUNTS_KEY, Examples, RowCollator, RowDataset, one_per_row, pack, packing_efficiency
 from slimtune.inference.evaluate import perplexity
+from slimtune.report.run_log import run_logger
 from slimtune.spec.schema import DataSpec, TrainSpec
 from slimtune.train import checkpoints
 from slimtune.train.adapter_io import add_expert_lora, save_adapter
 from slimtune.train.arguments import ddp_bucket_cap_mb, training_arguments
-from slimtune.train.callbacks import LogCallback, run_logger, stage_progress
+from slimtune.train.callbacks import LogCallback, stage_progress
 from slimtune.train.options import choose_batching, model_device, resolve_optimizer, resolve_precision
 from slimtune.train.result import REPORT_FILE, TrainReport, read_report, run_identity
 from slimtune.train.resume import (

@@ -2,10 +2,11 @@
 
 A Prefect process worker imports this file in a fresh process per flow run. When the environment names a
 plan folder (SLIMTUNE_FAULT_PLAN), three points inside the pipeline check it: a training step, a merged
-shard half written, a GGUF half written. The plan holds files `<n>-<point>.kill`; the lowest-numbered one
-fires at its point: the process records what is on disk, deletes that plan file and SIGKILLs itself, as the
-host's OOM killer would (no exception, no cleanup, no state report). Without the variable this module is
-just the finetune flow.
+shard half written, a GGUF half written. They are armed when the flow run starts (an on_running hook): the
+worker's crash-hook process loads this file too, and importing the training code there cost it ~6 s per crash.
+The plan holds files `<n>-<point>.kill`; the lowest-numbered one fires at its point: the process records what
+is on disk, deletes that plan file and SIGKILLs itself, as the host's OOM killer would (no exception, no
+cleanup, no state report). Without the variable this module is just the finetune flow.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from faultlib import check_published, leftovers, tree
 
-from slimtune.flows.finetune import finetune
+from slimtune.flows.finetune import finetune as _finetune
 
 __all__ = ["finetune"]
 _PLAN = os.environ.get("SLIMTUNE_FAULT_PLAN")
@@ -44,7 +45,8 @@ def _maybe_kill(point: str, **facts: object) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _arm() -> None:
+def _arm(_flow: object, _flow_run: object, _state: object) -> None:
+    """Install the kill points in this flow-run process (a flow's on_running hook)."""
     import slimtune.export.gguf_write as gguf_write
     import slimtune.merge.stream as merge_stream
     from slimtune.train.trainer import _SlimTrainer
@@ -83,5 +85,4 @@ def _arm() -> None:
     gguf_write._encode = encode_then_die
 
 
-if _PLAN:
-    _arm()
+finetune = _finetune.with_options(on_running=[_arm]) if _PLAN else _finetune

@@ -4,7 +4,7 @@ One chain of runs of the real finetune deployment (`kill_flow.py`), each killed 
   run 0 at training step 3 (checkpoint-2 complete)  -> the crash hook re-submits it (micro-batch halved)
   run 1 mid-write of the merged shard                -> the crash hook re-submits it again
   run 2 mid-write of the GGUF                        -> the hook's bound (2) is reached: it stays Crashed
-  run 3 a plain re-run of the deployment             -> completes
+  run 3 a plain re-run, submitted once run 2 crashed -> completes (beside the hook's last call)
 What each killed process had on disk is recorded by the process itself just before it dies.
 """
 
@@ -67,6 +67,10 @@ def chain(tmp_path_factory, request, reference_run):
     def logs() -> str:
         return server.log("worker.log")
 
+    def hook_gave_up() -> bool:
+        # the whole log: the re-run logs beside the hook, and its lines push the hook's out of `logs()`'s tail
+        return "giving up" in (server.home / "worker.log").read_text(errors="replace")
+
     with temporary_settings({PREFECT_API_URL: url}):
         with get_client(sync_client=True) as client:
             client.create_work_pool(
@@ -95,20 +99,21 @@ def chain(tmp_path_factory, request, reference_run):
         with get_client(sync_client=True) as client:
             client.create_flow_run_from_deployment(deployment_id, parameters={"spec": spec_dict(out)})
             runs = wait(3)
-            # The crash hook ends the chain saying "giving up" (~15 s after the last crash); a run submitted by then
-            # would be a hook that ignored its bound.
-            deadline = time.monotonic() + 120
-            while "giving up" not in logs() and time.monotonic() < deadline:
-                time.sleep(1)
-            assert "giving up" in logs(), logs()
-            runs = wait(3)
-            assert len(runs) == 3, [r.name for r in runs]
             killed = {
                 p.name.split(".")[0].split("-", 1)[1]: json.loads(p.read_text()) for p in plan.glob("*.snapshot.json")
             }
+            # The plain re-run starts as soon as run 2 has crashed, while the crash hook's process loads the flow to
+            # end the chain (10-15 s on 2 cores); run 2 is dead and holds nothing the re-run needs.
             client.create_flow_run_from_deployment(deployment_id, parameters={"spec": spec_dict(out)})
+            # The hook ends the chain saying "giving up"; a hook that ignored its bound would have re-submitted instead.
+            deadline = time.monotonic() + 120
+            while not hook_gave_up() and time.monotonic() < deadline:
+                time.sleep(1)
+            assert hook_gave_up(), logs()
             runs = wait(4)
             assert len(runs) == 4, [r.name for r in runs]
+            # the 4th run is the plain re-run, not a re-submission
+            assert not any(t.startswith("resubmit-") for t in runs[3].tags), [r.tags for r in runs]
     return {"runs": runs, "killed": killed, "run_dir": run_dir, "logs": logs(), "plan": plan}
 
 

@@ -17,8 +17,8 @@ from slimtune.models.tiny import DATA_FILE, save_tiny
 from slimtune.spec.schema import DataSpec, LoraSpec, ModelSpec, PipelineSpec, TrainSpec
 from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.load_4bit import load_4bit
-from slimtune.train import train_adapter
 from slimtune.train.resume import _OPERATIONAL, model_settings
+from slimtune.train.trainer import train_adapter
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
 
