@@ -125,9 +125,11 @@ def test_flow_trains_through_cuda_graphs_within_its_budget_and_cleanup_frees_the
     torch.cuda.reset_peak_memory_stats()
     summary = finetune(spec)
     trained, cleaned = summary["packed_sft"], summary["cleanup"]
-    # 16 layers captured at step 2, replayed from then on: "16 captured, 48 replays"
+    # the layers `stored_layers: auto` left to recompute (16 less those it stored within the budget) are captured
+    # at step 2 and replayed from then on: "8 captured, 24 replays"; the stored ones run as they are
     captured, replays = (int(part.split()[0]) for part in trained["cuda_graphs"].split(", ")[:2])
-    assert captured == 16 and replays >= 2 * 16, trained["cuda_graphs"]
+    assert 0 < captured == 16 - trained["stored_layers"], (trained["cuda_graphs"], trained["stored_layers_auto"])
+    assert replays >= 2 * captured, trained["cuda_graphs"]
     assert torch.cuda.max_memory_reserved() <= budget
     assert not cleaned["survivors"], cleaned["survivors"]
     assert cleaned["after"]["gpu_allocated"] - baseline <= 64 * 2**20, cleaned
