@@ -1,16 +1,22 @@
 """What the mmproj tests of every multimodal family share: saving the tiny checkpoint with its image processor's
-mean and std, its (text GGUF, mmproj) pair, seeded images, and pixels normalized as the processor does."""
+mean and std, copies of it changed, its (text GGUF, mmproj) pair, the export task writing and verifying both,
+seeded images, and pixels normalized as the processor does."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from slimtune.export import convert_hf_to_gguf
 from slimtune.export.gguf_mmproj import convert_mmproj_to_gguf, mmproj_file_name
+from slimtune.spec.schema import parse_spec
+from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 
 
 def save_checkpoint(model, tokenizer, out: Path, mean: list[float], std: list[float], **processor) -> Path:
@@ -20,6 +26,46 @@ def save_checkpoint(model, tokenizer, out: Path, mean: list[float], std: list[fl
     tokenizer.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std, **processor}))
     return out
+
+
+def copy_checkpoint(
+    checkpoint: Path,
+    out: Path,
+    change: Callable[[str, torch.Tensor], torch.Tensor] = lambda key, tensor: tensor,
+    preprocessor: bool | dict = True,
+) -> Path:
+    """The checkpoint under `out`, its tensors through `change`; its preprocessor_config.json copied (True), left out
+    (False) or replaced by `preprocessor` (a dict)."""
+    out.mkdir()
+    for f in checkpoint.iterdir():
+        if f.suffix != ".safetensors" and (preprocessor is True or f.name != "preprocessor_config.json"):
+            shutil.copy(f, out / f.name)
+    if isinstance(preprocessor, dict):
+        (out / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    tensors = {k: change(k, t) for k, t in load_file(checkpoint / "model.safetensors").items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def exported_mmproj_check(checkpoint: Path, tmp_path: Path) -> dict:
+    """The export task (f16, verify) on `checkpoint`, standing in for merged/ (the merge copies the vision weights and
+    the tokenizer as stored): the text GGUF and the mmproj are written beside each other; the mmproj's verification."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "hello world"}) + "\n")
+    spec = parse_spec(
+        {
+            "name": "r",
+            "model": {"name_or_path": str(checkpoint), "device": "cpu"},
+            "data": {"path": str(data)},
+            "output_dir": str(tmp_path / "out"),
+            "export": {"gguf": ["f16"], "verify": True},
+        }
+    )
+    summary = {"spec": spec.model_dump(mode="json"), "train": {"steps": 1}}
+    result = gguf_convert_and_push(spec, checkpoint, tmp_path / "adapter", summary).to_dict()
+    folder = tmp_path / "out" / "r" / "gguf"
+    assert sorted(p.name for p in folder.glob("*.gguf")) == ["r-f16.gguf", "r-mmproj-f16.gguf"]
+    return result["mmproj"]["verification"]
 
 
 def text_and_mmproj(checkpoint: Path, out: Path) -> tuple[Path, Path]:

@@ -10,7 +10,6 @@ normalizes with a mean and std that are not its defaults (it does not normalize 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import gguf
@@ -18,15 +17,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from mmproj_checks import random_image, save_checkpoint, text_and_mmproj
+from mmproj_checks import copy_checkpoint, exported_mmproj_check, random_image, save_checkpoint, text_and_mmproj
 from safetensors.torch import load_file, save_file
 
 from slimtune.export.gguf_header import read_header
 from slimtune.export.gguf_mmproj import convert_mmproj_to_gguf, llama_cpp_image_embeddings
 from slimtune.export.mmproj_families import MMPROJ_FAMILIES
 from slimtune.models.tiny import ensure_pretrained
-from slimtune.spec.schema import parse_spec
-from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 
 PATCH, POOL = 8, 2
 MEAN, STD = [0.47, 0.45, 0.42], [0.25, 0.27, 0.29]
@@ -127,19 +124,6 @@ def test_llama_cpp_image_embeddings_match_transformers(checkpoint, ggufs, height
     assert _off(ours, other)[0] > 0.1 * scale  # the control: another image is far off
 
 
-def _copy(checkpoint: Path, out: Path, change=lambda key, tensor: tensor, processor: dict | None = None) -> Path:
-    """The checkpoint under `out`, its tensors through `change`, its preprocessor_config.json `processor` if given."""
-    out.mkdir()
-    for f in checkpoint.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, out / f.name)
-    if processor is not None:
-        (out / "preprocessor_config.json").write_text(json.dumps(processor))
-    tensors = {k: change(k, t) for k, t in load_file(checkpoint / "model.safetensors").items()}
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
 def _channels_first(key: str, tensor: torch.Tensor) -> torch.Tensor:
     """The patch linear's columns as (channel, row, column) (the writer reorders them into this checkpoint's)."""
     if not key.endswith("patch_embedder.input_proj.weight"):
@@ -164,7 +148,7 @@ def _converters_activation(family, monkeypatch) -> None:
 # processor's mean and std left out (its default: no normalization), the patch linear's columns taken as stored, and
 # the converter's gelu_quick in the tower
 _MISTAKES = {
-    "default_mean_std": {"processor": {}},
+    "default_mean_std": {"preprocessor": {}},
     "patch_as_stored": {"change": _channels_first},
     "converters_gelu_quick": {},
 }
@@ -176,7 +160,9 @@ def test_the_check_catches_a_wrong_mmproj(checkpoint, ggufs, tmp_path, monkeypat
     text, _ = ggufs
     if mistake == "converters_gelu_quick":
         _converters_activation(MMPROJ_FAMILIES["gemma4"], monkeypatch)
-    wrong = convert_mmproj_to_gguf(_copy(checkpoint, tmp_path / "base", **_MISTAKES[mistake]), tmp_path / "w.gguf")
+    wrong = convert_mmproj_to_gguf(
+        copy_checkpoint(checkpoint, tmp_path / "base", **_MISTAKES[mistake]), tmp_path / "w.gguf"
+    )
     ours = llama_cpp_image_embeddings(text, wrong, random_image(0, 128, 160))
     diff, scale = _off(ours, _transformers_embeddings(checkpoint, random_image(0, 128, 160)))
     # measured 1.27 of the largest with no normalization, 1.30 with the columns as stored, 0.016 with gelu_quick
@@ -235,7 +221,7 @@ def test_mean_and_std_only_where_the_image_processor_normalizes(checkpoint, tmp_
     listed = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
     for n, processor in enumerate((listed, {**listed, "do_normalize": False})):
         path = convert_mmproj_to_gguf(
-            _copy(checkpoint, tmp_path / f"b{n}", processor=processor), tmp_path / f"{n}.gguf"
+            copy_checkpoint(checkpoint, tmp_path / f"b{n}", preprocessor=processor), tmp_path / f"{n}.gguf"
         )
         kv = read_header(path).kv
         assert kv[gguf.Keys.ClipVision.IMAGE_MEAN] == [0.0] * 3 and kv[gguf.Keys.ClipVision.IMAGE_STD] == [1.0] * 3
@@ -243,7 +229,7 @@ def test_mean_and_std_only_where_the_image_processor_normalizes(checkpoint, tmp_
 
 def test_the_audio_tower_is_left_out(checkpoint, ggufs, tmp_path):
     """E2B / E4B's audio tower and embedder change nothing in the (vision) file."""
-    other = _copy(checkpoint, tmp_path / "base")
+    other = copy_checkpoint(checkpoint, tmp_path / "base")
     audio = {"model.audio_tower.layers.0.lconv1d.linear_start.linear.weight": torch.randn(8, 4)}
     tensors = {
         **load_file(other / "model.safetensors"),
@@ -256,7 +242,7 @@ def test_the_audio_tower_is_left_out(checkpoint, ggufs, tmp_path):
 
 
 def test_a_vision_config_llama_cpp_runs_otherwise_is_refused_with_every_reason(checkpoint, tmp_path):
-    base = _copy(checkpoint, tmp_path / "base")
+    base = copy_checkpoint(checkpoint, tmp_path / "base")
     config = json.loads((base / "config.json").read_text())
     vision = {
         **config["vision_config"],
@@ -278,23 +264,7 @@ def test_a_vision_config_llama_cpp_runs_otherwise_is_refused_with_every_reason(c
 
 def test_export_writes_and_verifies_the_mmproj_beside_the_gemma4_gguf(checkpoint, tmp_path):
     pytest.importorskip("llama_cpp")
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"text": "hello world"}) + "\n")
-    spec = parse_spec(
-        {
-            "name": "r",
-            "model": {"name_or_path": str(checkpoint), "device": "cpu"},
-            "data": {"path": str(data)},
-            "output_dir": str(tmp_path / "out"),
-            "export": {"gguf": ["f16"], "verify": True},
-        }
-    )
-    # the checkpoint stands in for merged/ (the merge copies the vision weights and the tokenizer as stored)
-    summary = {"spec": spec.model_dump(mode="json"), "train": {"steps": 1}}
-    result = gguf_convert_and_push(spec, checkpoint, tmp_path / "adapter", summary).to_dict()
-    folder = tmp_path / "out" / "r" / "gguf"
-    assert sorted(p.name for p in folder.glob("*.gguf")) == ["r-f16.gguf", "r-mmproj-f16.gguf"]
-    check = result["mmproj"]["verification"]
+    check = exported_mmproj_check(checkpoint, tmp_path)
     # 144 px: 9 x 9 pooled tokens
     assert check["tokens"] == 81 and check["non_finite_tokens"] == 0, check
     assert 0 < check["max_abs_diff"] < BOUND * check["max_abs_embedding"], check

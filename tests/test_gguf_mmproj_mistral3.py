@@ -9,7 +9,6 @@ two-layer Pixtral (silu, as the released Mistral Small 3.1 tower) whose 8 px pat
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import gguf
@@ -17,7 +16,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from mmproj_checks import normalized, random_image, save_checkpoint, text_and_mmproj
+from mmproj_checks import (
+    copy_checkpoint,
+    exported_mmproj_check,
+    normalized,
+    random_image,
+    save_checkpoint,
+    text_and_mmproj,
+)
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken
 
@@ -25,8 +31,6 @@ from slimtune.export.gguf_header import read_header
 from slimtune.export.gguf_mmproj import convert_mmproj_to_gguf, llama_cpp_image_embeddings
 from slimtune.models.tiny import ensure_pretrained
 from slimtune.report.run_report import _mmproj_lines
-from slimtune.spec.schema import parse_spec
-from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 
 PATCH, MERGE = 8, 2
 MEAN, STD = [0.47, 0.45, 0.42], [0.25, 0.27, 0.29]
@@ -135,17 +139,6 @@ def test_llama_cpp_image_embeddings_match_transformers(checkpoint, ggufs, height
     assert float(np.abs(ours - other)[np.isfinite(ours)].max()) > 0.1 * scale  # the control: another image is far off
 
 
-def _copy(checkpoint: Path, out: Path, change=lambda key, tensor: tensor, preprocessor: bool = True) -> Path:
-    """The checkpoint under `out`, its tensors through `change`, with or without preprocessor_config.json."""
-    out.mkdir()
-    for f in checkpoint.iterdir():
-        if f.suffix != ".safetensors" and (preprocessor or f.name != "preprocessor_config.json"):
-            shutil.copy(f, out / f.name)
-    tensors = {k: change(k, t) for k, t in load_file(checkpoint / "model.safetensors").items()}
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
 def _unpermute(w: torch.Tensor) -> torch.Tensor:
     """The inverse of the writer's q/k row permutation for ggml's rope (pairs back to halves), per head."""
     heads = VISION["num_attention_heads"]
@@ -165,7 +158,9 @@ _MISTAKES = {
 def test_the_check_catches_a_wrong_mmproj(checkpoint, ggufs, tmp_path, mistake):
     pytest.importorskip("llama_cpp")
     text, _ = ggufs
-    wrong = convert_mmproj_to_gguf(_copy(checkpoint, tmp_path / "base", **_MISTAKES[mistake]), tmp_path / "w.gguf")
+    wrong = convert_mmproj_to_gguf(
+        copy_checkpoint(checkpoint, tmp_path / "base", **_MISTAKES[mistake]), tmp_path / "w.gguf"
+    )
     ours = llama_cpp_image_embeddings(text, wrong, random_image(0, 48, 64))
     diff, scale = _off(ours, _transformers_embeddings(checkpoint, random_image(0, 48, 64)), 48, 64)
     # measured 0.13 of the largest with CLIP's mean and std, 0.49 with the q/k rows as stored
@@ -203,7 +198,7 @@ def test_mmproj_holds_llama_cpps_pixtral_keys_and_tensors(checkpoint, ggufs):
 
 
 def test_a_vision_config_llama_cpp_runs_otherwise_is_refused_with_every_reason(checkpoint, tmp_path):
-    base = _copy(checkpoint, tmp_path / "base")
+    base = copy_checkpoint(checkpoint, tmp_path / "base")
     config = json.loads((base / "config.json").read_text())
     text = {**config["text_config"], "rms_norm_eps": 1e-6}
     (base / "config.json").write_text(json.dumps({**config, "vision_feature_layer": -2, "text_config": text}))
@@ -226,23 +221,7 @@ def test_a_vision_config_llama_cpp_runs_otherwise_is_refused_with_every_reason(c
 
 def test_export_writes_and_verifies_the_mmproj_beside_the_mistral3_gguf(checkpoint, tmp_path):
     pytest.importorskip("llama_cpp")
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"text": "hello world"}) + "\n")
-    spec = parse_spec(
-        {
-            "name": "r",
-            "model": {"name_or_path": str(checkpoint), "device": "cpu"},
-            "data": {"path": str(data)},
-            "output_dir": str(tmp_path / "out"),
-            "export": {"gguf": ["f16"], "verify": True},
-        }
-    )
-    # the checkpoint stands in for merged/ (the merge copies the vision weights and the tokenizer as stored)
-    summary = {"spec": spec.model_dump(mode="json"), "train": {"steps": 1}}
-    result = gguf_convert_and_push(spec, checkpoint, tmp_path / "adapter", summary).to_dict()
-    folder = tmp_path / "out" / "r" / "gguf"
-    assert sorted(p.name for p in folder.glob("*.gguf")) == ["r-f16.gguf", "r-mmproj-f16.gguf"]
-    check = result["mmproj"]["verification"]
+    check = exported_mmproj_check(checkpoint, tmp_path)
     # 64 px: 4 rows of 4 merged patches and 3 [IMG_BREAK]s, only which llama.cpp may leave NaN (see _off)
     assert check["tokens"] == 19 and check["non_finite_tokens"] <= 3, check
     assert 0 < check["max_abs_diff"] < 2e-3 * check["max_abs_embedding"], check
@@ -258,7 +237,7 @@ def test_the_report_names_the_tokens_llama_cpp_left_not_finite():
 
 
 def test_transformers_in_memory_names_give_the_same_mmproj(checkpoint, ggufs, tmp_path):
-    other = _copy(checkpoint, tmp_path / "base")
+    other = copy_checkpoint(checkpoint, tmp_path / "base")
     # the Hub's names (which transformers 5.23 saves) to transformers 5's in memory
     layouts = (
         ("language_model.model.", "model.language_model."),

@@ -9,7 +9,6 @@ The image processor's mean and std are not the defaults.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import gguf
@@ -17,14 +16,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from mmproj_checks import random_image, save_checkpoint, text_and_mmproj
+from mmproj_checks import copy_checkpoint, exported_mmproj_check, random_image, save_checkpoint, text_and_mmproj
 from safetensors.torch import load_file, save_file
 
 from slimtune.export.gguf_header import read_header
 from slimtune.export.gguf_mmproj import convert_mmproj_to_gguf, llama_cpp_image_embeddings
 from slimtune.models.tiny import ensure_pretrained
-from slimtune.spec.schema import parse_spec
-from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
 
 PATCH = 8
 MEAN, STD = [0.47, 0.45, 0.42], [0.25, 0.27, 0.29]
@@ -115,17 +112,6 @@ def test_llama_cpp_image_embeddings_match_transformers(checkpoint, ggufs, height
     assert _off(ours, other)[0] > 0.1 * scale  # the control: another image is far off
 
 
-def _copy(checkpoint: Path, out: Path, change=lambda key, tensor: tensor, preprocessor: bool = True) -> Path:
-    """The checkpoint under `out`, its tensors through `change`, with or without preprocessor_config.json."""
-    out.mkdir()
-    for f in checkpoint.iterdir():
-        if f.suffix != ".safetensors" and (preprocessor or f.name != "preprocessor_config.json"):
-            shutil.copy(f, out / f.name)
-    tensors = {k: change(k, t) for k, t in load_file(checkpoint / "model.safetensors").items()}
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
 def _one_frame(key: str, tensor: torch.Tensor) -> torch.Tensor:
     """The patch kernel's first frame in both (a file holding it twice comes out of the writer as this)."""
     if not key.endswith("patch_embed.proj.weight"):
@@ -143,7 +129,9 @@ _MISTAKES = {"default_mean_std": {"preprocessor": False}, "one_frame": {"change"
 def test_the_check_catches_a_wrong_mmproj(checkpoint, ggufs, tmp_path, mistake):
     pytest.importorskip("llama_cpp")
     text, _ = ggufs
-    wrong = convert_mmproj_to_gguf(_copy(checkpoint, tmp_path / "base", **_MISTAKES[mistake]), tmp_path / "w.gguf")
+    wrong = convert_mmproj_to_gguf(
+        copy_checkpoint(checkpoint, tmp_path / "base", **_MISTAKES[mistake]), tmp_path / "w.gguf"
+    )
     ours = llama_cpp_image_embeddings(text, wrong, random_image(0, 48, 64))
     diff, scale = _off(ours, _transformers_embeddings(checkpoint, random_image(0, 48, 64)))
     # measured 0.074 of the largest with CLIP's mean and std, 0.81 with the first frame twice
@@ -182,7 +170,7 @@ def test_mmproj_holds_llama_cpps_qwen3vl_keys_and_tensors(checkpoint, ggufs):
 
 def test_multi_token_prediction_weights_are_left_out(checkpoint, ggufs, tmp_path):
     """The released checkpoints' `mtp.*` (the language model's) change nothing in the file."""
-    other = _copy(checkpoint, tmp_path / "base")
+    other = copy_checkpoint(checkpoint, tmp_path / "base")
     tensors = {**load_file(other / "model.safetensors"), "mtp.fc.weight": torch.randn(256, 512)}
     save_file(tensors, other / "model.safetensors", metadata={"format": "pt"})
     path = convert_mmproj_to_gguf(other, tmp_path / "mm.gguf", name="mm")
@@ -190,7 +178,7 @@ def test_multi_token_prediction_weights_are_left_out(checkpoint, ggufs, tmp_path
 
 
 def test_a_vision_config_llama_cpp_runs_otherwise_is_refused_with_every_reason(checkpoint, tmp_path):
-    base = _copy(checkpoint, tmp_path / "base")
+    base = copy_checkpoint(checkpoint, tmp_path / "base")
     config = json.loads((base / "config.json").read_text())
     vision = {
         **config["vision_config"],
@@ -212,23 +200,7 @@ def test_a_vision_config_llama_cpp_runs_otherwise_is_refused_with_every_reason(c
 
 def test_export_writes_and_verifies_the_mmproj_beside_the_qwen35_gguf(checkpoint, tmp_path):
     pytest.importorskip("llama_cpp")
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"text": "hello world"}) + "\n")
-    spec = parse_spec(
-        {
-            "name": "r",
-            "model": {"name_or_path": str(checkpoint), "device": "cpu"},
-            "data": {"path": str(data)},
-            "output_dir": str(tmp_path / "out"),
-            "export": {"gguf": ["f16"], "verify": True},
-        }
-    )
-    # the checkpoint stands in for merged/ (the merge copies the vision weights and the tokenizer as stored)
-    summary = {"spec": spec.model_dump(mode="json"), "train": {"steps": 1}}
-    result = gguf_convert_and_push(spec, checkpoint, tmp_path / "adapter", summary).to_dict()
-    folder = tmp_path / "out" / "r" / "gguf"
-    assert sorted(p.name for p in folder.glob("*.gguf")) == ["r-f16.gguf", "r-mmproj-f16.gguf"]
-    check = result["mmproj"]["verification"]
+    check = exported_mmproj_check(checkpoint, tmp_path)
     # 64 px, the position grid's own size: 4 x 4 merged tokens
     assert check["tokens"] == 16 and check["non_finite_tokens"] == 0, check
     assert 0 < check["max_abs_diff"] < BOUND * check["max_abs_embedding"], check
