@@ -314,14 +314,16 @@ def test_f32_gguf_matches_transformers(model_dir, tokenizer, tmp_path):
     assert worst < 1e-4, worst
 
 
-@pytest.mark.parametrize("out_type, agreement", [("f16", 1.0), ("q8_0", 0.98)])
-def test_f16_and_q8_0_gguf_in_llama_cpp(out_type, agreement, tmp_path):
+def test_f16_gguf_in_llama_cpp(tmp_path):
+    """f16 picks transformers' next token everywhere. q8_0 is checked with every family in
+    tests/test_gguf_quant_verify.py::test_q8_0_gguf_picks_hf_next_token, where a flip must be a near-tie: a bare
+    98% floor here failed on an AVX-512 machine's pretraining (93 of 99 positions)."""
     pytest.importorskip("llama_cpp")
     model_dir = ensure_pretrained("qwen3_5_text")  # peaked logits: slimtune.models.tiny.pretrain says why
-    [path] = convert_hf_to_gguf(model_dir, tmp_path / f"q-{out_type}.gguf", out_type)
+    [path] = convert_hf_to_gguf(model_dir, tmp_path / "q-f16.gguf", "f16")
     report = verify_gguf(path, model_dir, PROMPTS)
     assert report["token_ids_equal"], report
-    assert report["argmax_agreement"] >= agreement, report
+    assert report["argmax_agreement"] == 1.0, report
     assert report["positions"] > 60
 
 
