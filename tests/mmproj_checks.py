@@ -83,3 +83,8 @@ def normalized(rgb: np.ndarray, mean: list[float], std: list[float]) -> torch.Te
     through the module under test."""
     pixels = torch.from_numpy(rgb.astype(np.float32)).permute(2, 0, 1)[None] / 255.0
     return (pixels - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+
+
+def embedding_gap(ours: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """(largest difference, largest reference value) of two image embeddings."""
+    return float(np.abs(ours - reference).max()), float(np.abs(reference).max())

@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from mmproj_checks import copy_checkpoint, exported_mmproj_check, random_image, save_checkpoint, text_and_mmproj
+from mmproj_checks import (
+    copy_checkpoint,
+    embedding_gap,
+    exported_mmproj_check,
+    random_image,
+    save_checkpoint,
+    text_and_mmproj,
+)
 from safetensors.torch import load_file, save_file
 
 from slimtune.export.gguf_header import read_header
@@ -105,11 +112,6 @@ def _transformers_embeddings(checkpoint: Path, rgb: np.ndarray) -> np.ndarray:
     return features.pooler_output[0].numpy()
 
 
-def _off(ours: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
-    """(largest difference, largest reference value)."""
-    return float(np.abs(ours - reference).max()), float(np.abs(reference).max())
-
-
 # 144 px: 9 x 9 pooled tokens, the fewest llama.cpp keeps an image at (70); 128 x 160: 8 x 10
 @pytest.mark.parametrize(("height", "width", "tokens"), [(144, 144, 9 * 9), (128, 160, 8 * 10)])
 def test_llama_cpp_image_embeddings_match_transformers(checkpoint, ggufs, height, width, tokens):
@@ -118,10 +120,10 @@ def test_llama_cpp_image_embeddings_match_transformers(checkpoint, ggufs, height
     ours = llama_cpp_image_embeddings(text, mmproj, random_image(0, height, width))
     reference = _transformers_embeddings(checkpoint, random_image(0, height, width))
     assert ours.shape == reference.shape == (tokens, 256)
-    diff, scale = _off(ours, reference)
+    diff, scale = embedding_gap(ours, reference)
     assert 0 < diff < BOUND * scale, (diff, scale)
     other = _transformers_embeddings(checkpoint, random_image(1, height, width))
-    assert _off(ours, other)[0] > 0.1 * scale  # the control: another image is far off
+    assert embedding_gap(ours, other)[0] > 0.1 * scale  # the control: another image is far off
 
 
 def _channels_first(key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -164,7 +166,7 @@ def test_the_check_catches_a_wrong_mmproj(checkpoint, ggufs, tmp_path, monkeypat
         copy_checkpoint(checkpoint, tmp_path / "base", **_MISTAKES[mistake]), tmp_path / "w.gguf"
     )
     ours = llama_cpp_image_embeddings(text, wrong, random_image(0, 128, 160))
-    diff, scale = _off(ours, _transformers_embeddings(checkpoint, random_image(0, 128, 160)))
+    diff, scale = embedding_gap(ours, _transformers_embeddings(checkpoint, random_image(0, 128, 160)))
     # measured 1.27 of the largest with no normalization, 1.30 with the columns as stored, 0.016 with gelu_quick
     assert diff > BOUND * scale, (diff, scale)
 

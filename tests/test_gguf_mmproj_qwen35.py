@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from mmproj_checks import copy_checkpoint, exported_mmproj_check, random_image, save_checkpoint, text_and_mmproj
+from mmproj_checks import (
+    copy_checkpoint,
+    embedding_gap,
+    exported_mmproj_check,
+    random_image,
+    save_checkpoint,
+    text_and_mmproj,
+)
 from safetensors.torch import load_file, save_file
 
 from slimtune.export.gguf_header import read_header
@@ -92,11 +99,6 @@ def _transformers_embeddings(checkpoint: Path, rgb: np.ndarray) -> np.ndarray:
     return features.pooler_output[0].numpy()
 
 
-def _off(ours: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
-    """(largest difference, largest reference value)."""
-    return float(np.abs(ours - reference).max()), float(np.abs(reference).max())
-
-
 @pytest.mark.parametrize(("height", "width", "tokens"), [(64, 64, 4 * 4), (48, 64, 3 * 4)])
 def test_llama_cpp_image_embeddings_match_transformers(checkpoint, ggufs, height, width, tokens):
     pytest.importorskip("llama_cpp")
@@ -106,10 +108,10 @@ def test_llama_cpp_image_embeddings_match_transformers(checkpoint, ggufs, height
     # merged 2 x 2 patches in the text model's width; 48 x 64 (3 rows of 4) resamples the 8 x 8 positions and fixes
     # which way the rows run
     assert ours.shape == reference.shape == (tokens, 256)
-    diff, scale = _off(ours, reference)
+    diff, scale = embedding_gap(ours, reference)
     assert 0 < diff < BOUND * scale, (diff, scale)
     other = _transformers_embeddings(checkpoint, random_image(1, height, width))
-    assert _off(ours, other)[0] > 0.1 * scale  # the control: another image is far off
+    assert embedding_gap(ours, other)[0] > 0.1 * scale  # the control: another image is far off
 
 
 def _one_frame(key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -133,7 +135,7 @@ def test_the_check_catches_a_wrong_mmproj(checkpoint, ggufs, tmp_path, mistake):
         copy_checkpoint(checkpoint, tmp_path / "base", **_MISTAKES[mistake]), tmp_path / "w.gguf"
     )
     ours = llama_cpp_image_embeddings(text, wrong, random_image(0, 48, 64))
-    diff, scale = _off(ours, _transformers_embeddings(checkpoint, random_image(0, 48, 64)))
+    diff, scale = embedding_gap(ours, _transformers_embeddings(checkpoint, random_image(0, 48, 64)))
     # measured 0.074 of the largest with CLIP's mean and std, 0.81 with the first frame twice
     assert diff > BOUND * scale, (diff, scale)
 
