@@ -1,6 +1,7 @@
-"""What the mmproj tests of every multimodal family share: saving the tiny checkpoint with its image processor's
-mean and std, copies of it changed, its (text GGUF, mmproj) pair, the export task writing and verifying both,
-seeded images, and pixels normalized as the processor does."""
+"""What the mmproj tests of every multimodal family share: the tiny checkpoint's random vision tower, saving it with
+its image processor's mean and std, copies of it changed, its (text GGUF, mmproj) pair, the export task writing and
+verifying both, seeded images, pixels normalized as the processor does, and llama.cpp's image embeddings held
+against transformers'."""
 
 from __future__ import annotations
 
@@ -14,9 +15,31 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slimtune.export import convert_hf_to_gguf
-from slimtune.export.gguf_mmproj import convert_mmproj_to_gguf, mmproj_file_name
+from slimtune.export.gguf_mmproj import convert_mmproj_to_gguf, llama_cpp_image_embeddings, mmproj_file_name
 from slimtune.spec.schema import parse_spec
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
+
+
+def randomize_tower(
+    model: torch.nn.Module,
+    generator: torch.Generator,
+    rule: Callable[[str, torch.Tensor, torch.Generator], torch.Tensor | None],
+    *,
+    buffers: bool = False,
+    skip: tuple[str, ...] = (),
+) -> None:
+    """Every parameter of `model` (and buffer, with `buffers`) outside the language model, lm_head and names holding
+    one of `skip` set from standard normal noise drawn from `generator` in turn: `rule(name, noise, generator)`, or
+    where that is None the noise over the square root of the fan-in, which keeps activations about unit-sized. A tower
+    at its init (zero biases, unit norms) would let mistakes that only move those go unseen."""
+    tensors = [*model.named_parameters(), *(model.named_buffers() if buffers else [])]
+    with torch.no_grad():
+        for name, tensor in tensors:
+            if any(part in name for part in ("language_model", "lm_head", *skip)):
+                continue
+            noise = torch.randn(tensor.shape, generator=generator)
+            value = rule(name, noise, generator)
+            tensor.copy_(noise / max(1, tensor[0].numel()) ** 0.5 if value is None else value)
 
 
 def save_checkpoint(model, tokenizer, out: Path, mean: list[float], std: list[float], **processor) -> Path:
@@ -88,3 +111,24 @@ def normalized(rgb: np.ndarray, mean: list[float], std: list[float]) -> torch.Te
 def embedding_gap(ours: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
     """(largest difference, largest reference value) of two image embeddings."""
     return float(np.abs(ours - reference).max()), float(np.abs(reference).max())
+
+
+def assert_embeddings_match(
+    ggufs: tuple[Path, Path],
+    reference: Callable[[np.ndarray], np.ndarray],
+    height: int,
+    width: int,
+    tokens: int,
+    bound: float,
+) -> None:
+    """llama.cpp's embeddings of a seeded `height` x `width` image from `ggufs` (text GGUF, mmproj): `tokens` rows in
+    the tiny language models' width (256), within `bound` of the largest of `reference`'s (transformers') for the
+    same image, and more than 0.1 of it off those of another image (the control: a close match means something)."""
+    text, mmproj = ggufs
+    ours = llama_cpp_image_embeddings(text, mmproj, random_image(0, height, width))
+    expected = reference(random_image(0, height, width))
+    assert ours.shape == expected.shape == (tokens, 256), (ours.shape, expected.shape)
+    diff, scale = embedding_gap(ours, expected)
+    assert 0 < diff < bound * scale, (diff, scale)
+    control, _ = embedding_gap(ours, reference(random_image(1, height, width)))
+    assert control > 0.1 * scale, (control, scale)

@@ -21,6 +21,7 @@ from mmproj_checks import (
     exported_mmproj_check,
     normalized,
     random_image,
+    randomize_tower,
     save_checkpoint,
     text_and_mmproj,
 )
@@ -67,15 +68,9 @@ def checkpoint(tmp_path_factory) -> Path:
     model.model.language_model.load_state_dict(text.model.state_dict())
     model.lm_head.load_state_dict(text.lm_head.state_dict())
     generator = torch.Generator().manual_seed(0)
+    # RMSNorm scales near 1
+    randomize_tower(model, generator, lambda name, noise, _: 1.0 + 0.2 * noise if "norm" in name else None)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "language_model" in name or "lm_head" in name:
-                continue
-            noise = torch.randn(p.shape, generator=generator)
-            if "norm" in name:  # RMSNorm scales near 1
-                p.copy_(1.0 + 0.2 * noise)
-            else:
-                p.copy_(noise / max(1, p[0].numel()) ** 0.5)
         embeddings = model.get_input_embeddings().weight
         embeddings[-1] = torch.randn(embeddings.shape[1], generator=generator) * embeddings[:-1].std()
     return save_checkpoint(model, tokenizer, out, MEAN, STD)
