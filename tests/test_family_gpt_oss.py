@@ -376,6 +376,48 @@ def test_packed_loss_and_lora_grads_equal_the_examples_alone():
     assert all(grad.abs().max() > 0 for grad in packed_grads)
 
 
+def _saved_bytes(model: torch.nn.Module, seq: int) -> int:
+    """Bytes autograd keeps for backward through one layer's attention on one row of `seq` tokens (each storage
+    once)."""
+    attention = model.model.layers[1].self_attn  # full attention: no window
+    hidden = torch.randn(1, seq, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    position_ids = torch.arange(seq).unsqueeze(0)
+    saved: dict[int, int] = {}
+
+    def pack_hook(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        attention(hidden, position_embeddings=model.model.rotary_emb(hidden, position_ids), attention_mask=None)
+    return sum(saved.values())
+
+
+def test_eager_attention_keeps_one_16_bit_score_per_head_pair_as_the_estimate_counts():
+    """gpt-oss's sinks keep transformers' eager attention, which saves each head's softmaxed scores for backward:
+    quadratic in the row's length. The estimate counts one 16-bit score per head and query-key pair per stored layer
+    (`ModelShape.eager_attention`); saved-tensor hooks on a tiny bf16 layer at three lengths measure that quadratic
+    term. Without it an H200 run of gpt-oss-20b under 16 GiB ran out of memory on a 512 MiB score tensor."""
+    from slimtune.memory.estimate import estimate_train
+
+    torch.manual_seed(0)
+    model = build_model("gpt_oss", 64, num_hidden_layers=2, attn_implementation="eager").to(torch.bfloat16)
+    step = 128  # a + b S + c S^2 at S, 2S and 3S: the second difference is 2 c S^2 (weights and linear terms drop)
+    measured = [_saved_bytes(model, k * step) for k in (1, 2, 3)]
+    quadratic = (measured[2] - 2 * measured[1] + measured[0]) / (2 * step**2)
+    heads = model.config.num_attention_heads
+    assert quadratic == heads * 2  # one bf16 score per head and query-key pair (the sink's column is linear)
+
+    cfg = model.config.to_dict()
+    stored = [
+        estimate_train(
+            cfg, micro_batch=1, seq_len=k * step, lora_r=8, target_modules=["q_proj"], checkpointing=False
+        ).breakdown["gpu: activations (no checkpointing)"]
+        for k in (1, 2, 3)
+    ]
+    assert (stored[2] - 2 * stored[1] + stored[0]) / (2 * step**2) == heads * 2 * cfg["num_hidden_layers"]
+
+
 def test_validate_accepts_gpt_oss_and_the_check_refuses_what_llama_cpp_cannot_run(tmp_path):
     spec = PipelineSpec.model_validate(
         {

@@ -1,5 +1,5 @@
-"""The estimator against GPU measurements: every measured cell within [1.0, 1.15] x measured ([1.0, 1.21] for the
-cells trained through CUDA graphs, see GRAPHED_BAND).
+"""The estimator against GPU measurements: every measured cell within [1.0, 1.15] x measured, the cells trained
+through CUDA graphs included.
 
 The table is benchmarks/results/memory/h100-2026-11-23.json, written by benchmarks/calibrate_memory.py
 through the device tool on an H100: the real load_4bit / packed_sft / dequant_merge / export code, 1B,
@@ -24,10 +24,6 @@ TABLE = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "mem
 # its peak allocated 0.03 lower), so the estimate is held to each call.
 GRAPHS_TABLES = tuple(TABLE.with_name(f"h100-2026-11-24{c}-graphs.json") for c in "ce")
 BAND = (1.0, 1.15)
-# Graphed cells: never under, up to 1.21 x over. One pool term for 1B and 8B: at the factor that keeps the 8B
-# 1 x 8192 cell of the second call above its measurement (1.002 x), the 1B 4 x 8192 one of the first measures
-# 1.204 x. The graphs' extra device memory is 0.9-1.3 of the recomputed layer at 8B, 0.5-1.0 at 1B.
-GRAPHED_BAND = (1.0, 1.21)
 _GIB = 1024**3
 
 
@@ -111,9 +107,11 @@ def test_each_graphs_table_graphed_every_unsloth_cell_of_1b_and_8b(table):
 
 @pytest.mark.parametrize("row", [pytest.param(r, id=f"{t.stem}-{_id(r)}") for t in GRAPHS_TABLES for r in _graphed(t)])
 def test_train_gpu_estimate_with_cuda_graphs_holds_every_graphed_cell(row):
+    """8B peaks in the forward (its layer inputs awaiting their copy to host), 1B in the recompute, and the graphs'
+    pool comes on top of either (`slimtune.memory.estimate`)."""
     est = _cell_estimate(row)
     ratio = est.gpu_bytes / row["peak_device_used"]
-    assert _in_band(est.gpu_bytes, row["peak_device_used"], GRAPHED_BAND), (ratio, est.breakdown)
+    assert _in_band(est.gpu_bytes, row["peak_device_used"]), (ratio, est.breakdown)
 
 
 @pytest.mark.parametrize("row", _measured("load_4bit"), ids=_id)

@@ -6,8 +6,10 @@ import ast
 import json
 from pathlib import Path
 
+import pytest
 from model_configs import LLAMA_8B
 
+from slimtune.memory.downshift import DownshiftExhausted
 from slimtune.plan.fit import Budget, plan, train_estimate
 from slimtune.plan.train_settings import resolve_train
 from slimtune.spec.schema import parse_spec
@@ -223,3 +225,23 @@ def test_fsdp_ranks_run_standard_checkpointing_without_the_kernels_fsdp_breaks(t
     assert not set(settings.kernels) & set(settings.kernels_excluded)
     one = resolve_train(_spec(tmp_path), LLAMA_8B, "cuda")
     assert one.checkpointing == "unsloth" and one.kernels_excluded == {} and "lora_nf4" in one.kernels
+
+
+def test_at_the_last_rung_a_retry_first_gives_up_the_stored_layers_and_graphs(tmp_path):
+    """Micro-batch 1 with offloaded checkpointing is the ladder's last rung, but attempt 1 may still have spent memory
+    on speed (an estimate too low for the stored layers: gpt-oss-20b under 16 GiB on an H200). The retry gives up
+    that alone; only the attempt after it is past the ladder. With nothing to give up, attempt 2 is past it."""
+    spec = _spec(tmp_path, micro_batch_size=1, gradient_accumulation_steps=4)
+    first = resolve_train(spec, LLAMA_8B, "cuda")
+    assert first.stored_layers == 32
+    retry = resolve_train(spec, LLAMA_8B, "cuda", attempt=2)
+    assert (retry.micro_batch, retry.grad_accum, retry.checkpointing) == (1, 4, "unsloth")
+    assert retry.stored_layers == 0 and not retry.cuda_graphs
+    assert retry.downshift_notes == ("attempt 2: micro-batch 1 again, every layer recomputed, no CUDA graphs",)
+    with pytest.raises(DownshiftExhausted):
+        resolve_train(spec, LLAMA_8B, "cuda", attempt=3)
+
+    bare = _spec(tmp_path, micro_batch_size=1, gradient_accumulation_steps=4, stored_layers=0, cuda_graphs=False)
+    assert resolve_train(bare, LLAMA_8B, "cuda").stored_layers == 0
+    with pytest.raises(DownshiftExhausted):
+        resolve_train(bare, LLAMA_8B, "cuda", attempt=2)

@@ -64,8 +64,9 @@ _HOST_TABLE_FRAGMENTATION = 0.25
 _OFFLOAD_IN_FLIGHT = 3
 # Share of the stored layers' freed blocks that the first recomputed layer reuses. On an H200, 8B at 16 x 2048 with
 # one stored layer (5.2 GiB of activations) and CUDA graphs held 22.47 GiB of the card, where full reuse estimated
-# 22.03: at most 0.91 of it was reused. At 0.75 each of the 9 runs (7 with stored layers) of
-# benchmarks/results/memory/h200-2026-11-27-stored-layers{,-b}.json estimates within 1.0-1.15 x measured.
+# 22.03: at most 0.91 of it was reused. In each of the 9 runs of that call and the next
+# (benchmarks/results/memory/h200-2026-11-27-stored-layers{,-b}.json) the forward (`_FORWARD_TERM`) or the loss is now
+# the larger phase (1.088-1.148 x measured), so they no longer bound this share.
 _STORED_REUSED = 0.75
 # A Gated DeltaNet layer (Qwen3.5), counted as every layer keeping that much more than the model's attention layer.
 # Eager on the CPU it saves 1.8x (678 vs 380 KB per token at Qwen3.5-4B's widths, saved-tensor hooks:
@@ -74,13 +75,26 @@ _STORED_REUSED = 0.75
 # H200 (4 x 2048, all 32 layers stored) the compiled mixer held 66.98 GiB of the card, where 1.8x estimated 83.2
 # (1.24x) and 1.5x estimates 70.2 (1.05x): benchmarks/results/families/h200-2026-11-27c-qwen35-issue42.md.
 _LINEAR_ATTENTION_ACTIVATIONS = 1.5
+# Eager attention (gpt-oss, whose sinks keep transformers' eager path) keeps one 16-bit softmax of every head's
+# scores (heads x seq x seq+1 per row) for backward; recomputing a layer holds it, the gradient of the scores, that of
+# the sink-extended logits and the logits themselves: 4 of them. The GPU run that needed this term: gpt-oss-20b at
+# 1 x 2048 under 16 GiB (H200, 2026-11-27) ran out of memory allocating one 512 MiB score tensor past the estimate.
+_EAGER_SCORES_RECOMPUTE = 4
 _STORED_TERMS = ("activations (no checkpointing)", "activations of the stored layers", "checkpointed layer inputs")
 _WEIGHT_TERMS = ("nf4 linears", "embeddings and lm_head", "norms and biases")
 _STATE_TERMS = ("lora weights and grads (fp32)", "optimizer state", _CONTEXT_TERM)
-# The graphs' private pool holds what a layer's recompute and backward allocate inside the capture: measured. At
-# 0.9 of the recomputed layer every graphed cell of benchmarks/results/memory/h100-2026-11-24{c,e}-graphs.json (1B
-# and 8B, 1-4 x 2048-8192, two calls) estimates 1.002-1.204 x measured; at 0.85 the 8B 1 x 8192 cell of the second
-# call comes out under (0.995 x): its device-used was 0.35 GiB above the first call's.
+# Offloading frees each layer input in the forward while its copy to host is still queued (`ActivationOffloader.save`
+# records it on the side stream): its block is reused only once the copy ran, and the host runs ahead of the GPU, so up
+# to every recomputed layer's input is held at once. The 8B offloaded cells of the 2026-11-23 table peak there: 3.3-3.6
+# hidden states above the resident weights and every layer input at 1-4 x 8192. Eagerly the recompute reuses those
+# blocks (the offloaded share covers them); under CUDA graphs it runs in their private pool, which cannot.
+_FORWARD_HIDDEN_STATES = 4
+_FORWARD_TERM = "layer inputs awaiting their copy to host (peak phase: the forward)"
+# The graphs' private pool: what a layer's recompute and backward allocate inside the capture. The graphed cells of
+# benchmarks/results/memory/h100-2026-11-24{c,e}-graphs.json reserved 0.84-1.00 of the recomputed layer over the
+# eager cell's peak at 1B (its recompute), 0.77-1.18 at 8B (its forward and the static buffers; device-used moves by
+# up to 0.55 GiB between the calls). At 0.9 every graphed cell estimates 1.006-1.113 x measured (8B 1 x 8192 of the
+# second call, 1B 4 x 8192); with the pool on top of the recompute alone, 1.002-1.204.
 _GRAPH_POOL = 0.9
 # allocated once per run, and the private pool is no block of the allocator's to fragment
 _GRAPH_TERMS = ("CUDA graphs: static inputs and LoRA gradients", "CUDA graphs: private pool (one recomputed layer)")
@@ -289,8 +303,10 @@ def estimate_train(
 
     `cuda_graphs`: `train.cuda_graphs` will capture each layer's backward (`slimtune.train.step.layer_graphs`, with
     "unsloth" checkpointing): its static buffers (three hidden states: two layer inputs and a gradient; one set of
-    LoRA gradients) and its private pool, which holds most of one recomputed layer apart from the allocator's other
-    blocks. Calibrated on an H100 (`benchmarks/results/memory/h100-2026-11-24{c,e}-graphs.json`,
+    LoRA gradients), which the offloader brings the inputs back into (no layer inputs in flight beside them), and its
+    private pool, which holds most of one recomputed layer apart from the allocator's other blocks. The pool cannot
+    reuse what the forward held back (layer inputs whose copy to host was still queued), so under graphs that is a
+    peak phase of its own. Calibrated on an H100 (`benchmarks/results/memory/h100-2026-11-24{c,e}-graphs.json`,
     tests/test_memory_calibration.py).
 
     `stored_layers`: under checkpointing, the last this many decoder layers keep their activations instead of
@@ -343,11 +359,12 @@ def estimate_train(
     if shape.linear_attention:
         per_layer = int(per_layer * _LINEAR_ATTENTION_ACTIVATIONS)
     varlen = _varlen_bytes_per_token_layer(shape, compute_dtype_bytes) if varlen_attention and "rope" in kernels else 0
+    scores = shape.heads * seq_len * compute_dtype_bytes if shape.eager_attention else 0  # per token: one row's
     layer_input = shape.hidden * compute_dtype_bytes
     host = {"process and CUDA libraries": _PROCESS_HOST_BYTES}
     mode = "standard" if checkpointing is True else (checkpointing or "none")
-    recompute = stored = 0
-    stored_per_layer = int(tokens * (per_layer * (_FUSED_STORED if fused else 1.0) + varlen))
+    recompute = stored = forward = 0
+    stored_per_layer = int(tokens * (per_layer * (_FUSED_STORED if fused else 1.0) + varlen + scores))
     if mode == "none":
         gpu["activations (no checkpointing)"] = stored_per_layer * shape.layers
     elif mode in ("standard", "unsloth", "offload"):
@@ -357,17 +374,24 @@ def estimate_train(
         if stored_layers:
             stored = gpu["activations of the stored layers"] = stored_per_layer * stored_layers
         if recomputed:
-            recompute = int(tokens * (per_layer * (_FUSED_RECOMPUTE if fused else 1.0) + varlen))
+            recompute = int(
+                tokens * (per_layer * (_FUSED_RECOMPUTE if fused else 1.0) + varlen + _EAGER_SCORES_RECOMPUTE * scores)
+            )
         if mode == "standard" and recomputed:
             gpu["checkpointed layer inputs"] = tokens * recomputed * layer_input
         elif recomputed:
-            # Layer inputs stay on the GPU while copies to and from host overlap with compute.
-            gpu["layer inputs in flight"] = tokens * _OFFLOAD_IN_FLIGHT * layer_input
-            host["offloaded layer inputs (pinned)"] = tokens * recomputed * layer_input
             if cuda_graphs and on_gpu:
+                # The backward's inputs come back into the graphs' static buffers, which stand in for those in flight.
                 layer_lora = -(-lora // shape.layers)
                 gpu[_GRAPH_TERMS[0]] = 3 * tokens * layer_input + layer_lora * 4
                 gpu[_GRAPH_TERMS[1]] = int(_GRAPH_POOL * recompute)
+                # the stored layers run last in the forward: their activations stand in for the layer computing
+                layer_states = max(tokens * _FORWARD_HIDDEN_STATES * layer_input - stored, 0)
+                forward = tokens * recomputed * layer_input + layer_states
+            else:
+                # Layer inputs stay on the GPU while copies to and from host overlap with compute.
+                gpu["layer inputs in flight"] = tokens * _OFFLOAD_IN_FLIGHT * layer_input
+            host["offloaded layer inputs (pinned)"] = tokens * recomputed * layer_input
     else:
         raise ValueError(f"lora.gradient_checkpointing is {checkpointing!r}; use false, true, 'standard' or 'unsloth'")
 
@@ -383,20 +407,27 @@ def estimate_train(
         # The bf16 lm_head output, its float32 upcast in the loss, the saved log-softmax and its
         # float32 gradient (2 + 4 + 4 + 4 bytes, less the upcast freed before the gradient = 12).
         loss = tokens * shape.vocab * 12
+    # Under graphs the offloaded share's copies are counted as they are: the forward's as its own phase, the backward's
+    # land in the static buffers.
+    offloaded = mode in ("unsloth", "offload") and _GRAPH_TERMS[1] not in gpu
+    share = _FRAGMENTATION_EAGER if not fused else _FRAGMENTATION_OFFLOADED if offloaded else _FRAGMENTATION
     reused = stored - int(stored * (1 - _STORED_REUSED))  # by the recompute, once the stored layers' backward ran
     if stored + loss >= stored - reused + recompute:
-        gpu["logits and loss (peak phase)"], reused = loss, 0
+        phase, value, reused = "logits and loss (peak phase)", loss, 0
     elif stored:
-        gpu["one recomputed layer, less the stored blocks it reuses (peak phase)"] = recompute - reused
+        phase, value = "one recomputed layer, less the stored blocks it reuses (peak phase)", recompute - reused
     else:
-        gpu["one recomputed layer (peak phase)"] = recompute
+        phase, value = "one recomputed layer (peak phase)", recompute
+    if forward > value + (value + reused) * share:  # its held blocks are its fragmentation
+        phase, value, reused = _FORWARD_TERM, forward, 0
+    gpu[phase] = value
     # Stored activations are allocated once per step; what is freed and re-allocated within the
     # step (layer inputs in flight, the peak phase: a whole recomputed layer) is what fragments the allocator's blocks.
     churn = reused + sum(
-        v for k, v in gpu.items() if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS + _GRAPH_TERMS
+        v
+        for k, v in gpu.items()
+        if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS + _GRAPH_TERMS + (_FORWARD_TERM,)
     )
-    offloaded = mode in ("unsloth", "offload")
-    share = _FRAGMENTATION_EAGER if not fused else _FRAGMENTATION_OFFLOADED if offloaded else _FRAGMENTATION
     gpu["allocator fragmentation"] = (
         int(churn * share) + _FRAGMENTATION_FLOOR + int(host_table * _HOST_TABLE_FRAGMENTATION)
     )

@@ -45,6 +45,9 @@ class ModelShape:
     experts_per_token: int = 0
     # Hybrid models (Qwen3.5): some layers are Gated DeltaNet (linear attention), which keep more activations
     linear_attention: bool = False
+    # Attention that materializes each head's scores (gpt-oss's learned sinks keep it on transformers' eager path):
+    # heads x seq x seq per row, beside the per-token activations
+    eager_attention: bool = False
 
     @property
     def q_dim(self) -> int:
@@ -138,6 +141,7 @@ def model_shape(cfg: dict[str, Any]) -> ModelShape:
         qk_norm=family.qk_norm if family else "",
         layer_norms=family.layer_norms if family else 2,
         model_type=model_type,
+        eager_attention=bool(family and family.attention_sinks),
     )
     if model_type == "qwen3_5_text":
         return _qwen35_layers(text, shape)

@@ -14,12 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from slimtune.kernels.apply import expected_kernels
-from slimtune.memory.downshift import downshift_train
+from slimtune.memory.downshift import DownshiftExhausted, TrainShift, downshift_train
 from slimtune.memory.estimate import Estimate
 from slimtune.memory.model_shape import model_shape
 from slimtune.plan.fit import auto_micro_batch, train_estimate
 from slimtune.spec.schema import PipelineSpec, TrainSpec
 from slimtune.train.step.attention import varlen_expected
+from slimtune.train.step.checkpointing import EXPERTS_REFUSAL
 
 # DDP and FSDP want every parameter on the rank's GPU (they check device types and broadcast or shard them
 # at wrap time); the guard's estimate for a multi-GPU run leaves these kernels out too.
@@ -131,15 +132,31 @@ def resolve_train(
             lambda mb: fits(train_estimate(spec, cfg, mb, ckpt, device_type)),
             spec.data.max_seq_length if to_stored else None,
         )
-    shift = downshift_train(micro_batch, grad_accum, ckpt, attempt)
+    try:
+        shift = downshift_train(micro_batch, grad_accum, ckpt, attempt)
+    except DownshiftExhausted:
+        # Already at the ladder's last settings, attempt 1 may still have spent memory on speed (stored layers, CUDA
+        # graphs), which every retry gives up: the first retry is that alone before the ladder is exhausted.
+        first = resolve_train(spec, cfg, device_type, fits=fits) if attempt == 2 else None
+        if first is None or not (first.stored_layers or first.cuda_graphs):
+            raise
+        note = f"attempt 2: micro-batch {first.micro_batch} again, every layer recomputed, no CUDA graphs"
+        shift = TrainShift(first.micro_batch, first.grad_accum, ckpt, (note,))
     estimate = functools.partial(train_estimate, spec, cfg, shift.micro_batch, shift.checkpointing, device_type)
     # CUDA graphs of the layers' backward hold a recomputed layer in a pool of their own: an extra, used only on
     # the first attempt and where the estimate with them fits
-    graphs = train.cuda_graphs and attempt == 1 and fits(estimate(cuda_graphs=True))
+    moe = bool(model_shape(cfg).experts)  # never captured (EXPERTS_REFUSAL): their pool is not planned for
+    graphs = train.cuda_graphs and attempt == 1 and not moe and fits(estimate(cuda_graphs=True))
     graphs_off = None
     if train.cuda_graphs and not graphs:
         retry = attempt > 1
-        graphs_off = "a retry after running out of memory" if retry else "the estimate with them exceeds the budget"
+        graphs_off = (
+            "a retry after running out of memory"
+            if retry
+            else EXPERTS_REFUSAL
+            if moe
+            else "the estimate with them exceeds the budget"
+        )
     stored, stored_note = _stored_layers(spec, cfg, device_type, attempt, shift.checkpointing, graphs, fits, estimate)
     if stored and stored == model_shape(cfg).layers:
         graphs = False  # no layer is recomputed: there is no backward to capture
