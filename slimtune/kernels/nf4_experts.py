@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from bitsandbytes.functional import QuantState, create_dynamic_map, get_4bit_type
+from bitsandbytes.functional import QuantState, create_dynamic_map, dequantize_4bit, get_4bit_type
 from torch import nn
 
 from slimtune.models.experts import EXPERT_CLASSES, HELD, per_expert_lora_key, stored_projections
@@ -65,8 +65,9 @@ class NF4ExpertWeights(nn.Module):
     def num_experts(self) -> int:
         return self.packed.shape[0]
 
-    def quant_state(self, e: int) -> QuantState:
-        """Expert `e` as bitsandbytes' `QuantState` (views of the stacked buffers, no copies)."""
+    def quant_state(self, e: int, dtype: torch.dtype | None = None) -> QuantState:
+        """Expert `e` as bitsandbytes' `QuantState` (views of the stacked buffers, no copies), dequantizing to
+        `dtype` (default the quantized weight's)."""
         state2 = QuantState(absmax=self.absmax2[e], code=self.code2, blocksize=_BLOCKSIZE2, dtype=torch.float32)
         return QuantState(
             absmax=self.absmax[e],
@@ -74,7 +75,7 @@ class NF4ExpertWeights(nn.Module):
             code=self.code,
             blocksize=BLOCKSIZE,
             quant_type="nf4",
-            dtype=self.dtype,
+            dtype=dtype or self.dtype,
             offset=self.offset[e],
             state2=state2,
         )
@@ -83,8 +84,11 @@ class NF4ExpertWeights(nn.Module):
         """Expert `e`'s matrix in `dtype` (default the quantized weight's), equal to bitsandbytes' `dequantize_4bit`.
 
         Same arithmetic and roundings as bitsandbytes: absmax = fp32(code2[q] * absmax2) + offset (two
-        roundings), then fp32(code[nibble] * absmax) rounded once to `dtype`.
+        roundings), then fp32(code[nibble] * absmax) rounded once to `dtype`. On CUDA bitsandbytes' own kernel
+        does it in one launch (a step calls this three times per routed expert and layer); elsewhere torch ops.
         """
+        if self.packed.is_cuda:
+            return dequantize_4bit(self.packed[e].unsqueeze(1), self.quant_state(e, dtype))
         n_blocks = self.absmax.shape[1]
         absmax = self.code2[self.absmax[e].long()] * self.absmax2[e].repeat_interleave(_BLOCKSIZE2)[:n_blocks]
         absmax = absmax + self.offset[e]
