@@ -76,6 +76,7 @@ from benchmarks.common import (
 )
 from benchmarks.product import PRODUCT_CONFIGS, product_worker
 from benchmarks.report import combine_rounds, compute_ratios, render_markdown
+from slimtune.models.families import FAMILIES
 from slimtune.models.lora_targets import lora_target_modules
 
 # Headline comparison first (baseline, product, hand loop, Unsloth), diagnostics last, so a run cut short by the
@@ -292,28 +293,33 @@ def import_unsloth():
     return FastLanguageModel
 
 
-def load_unsloth_lora(fast_language_model, model_dir: Path, model_key: str, seq: int):
-    """(model, tokenizer): the saved folder loaded in 4-bit by Unsloth, with LoRA r=16 on the family's
-    projections and "unsloth" checkpointing, as Unsloth's notebooks set them up."""
+def load_unsloth_lora(fast_language_model, model_dir: Path, model_key: str, seq: int, rank: int = LORA_RANK):
+    """(model, tokenizer): the saved folder loaded by Unsloth, with LoRA of `rank` on the family's projections and
+    "unsloth" checkpointing, as Unsloth's notebooks set them up: in 4-bit, except a mixture of experts, which
+    Unsloth loads in 16 bits ("MoE QLoRA not recommended due to BitsandBytes limitations") with the notebooks'
+    seven projection names, left for Unsloth to map onto its experts."""
+    family = FAMILIES.get(MODEL_SHAPES[model_key].family)
+    moe = family is not None and family.experts
     model, tokenizer = fast_language_model.from_pretrained(
         model_name=str(model_dir),
         max_seq_length=seq,
         dtype=torch.bfloat16,
-        load_in_4bit=True,
+        load_in_4bit=not moe,
         fix_tokenizer=False,
         local_files_only=True,
         use_exact_model_name=True,
         use_gradient_checkpointing="unsloth",
     )
+    targets = list(LORA_TARGETS) if moe else lora_target_modules(MODEL_SHAPES[model_key].family, list(LORA_TARGETS))
     model = fast_language_model.get_peft_model(
         model,
-        r=LORA_RANK,
-        lora_alpha=LORA_RANK,
+        r=rank,
+        lora_alpha=rank,
         lora_dropout=0,
         bias="none",
         random_state=0,
         max_seq_length=seq,
-        target_modules=lora_target_modules(MODEL_SHAPES[model_key].family, list(LORA_TARGETS)),
+        target_modules=targets,
         use_gradient_checkpointing="unsloth",
     )
     return model, tokenizer

@@ -156,7 +156,7 @@ def _load(args: argparse.Namespace, model_dir: Path, result: dict[str, Any]):
     if args.tool == "unsloth":
         from benchmarks.runner import import_unsloth, load_unsloth_lora
 
-        model, tokenizer = load_unsloth_lora(import_unsloth(), model_dir, args.model, args.seq)
+        model, tokenizer = load_unsloth_lora(import_unsloth(), model_dir, args.model, args.seq, args.lora_r)
         result["versions"] = {d: package_version(d) for d in ("unsloth", "unsloth_zoo", "trl")}
         return model, tokenizer, None, {}
     import torch
@@ -177,7 +177,7 @@ def _load(args: argparse.Namespace, model_dir: Path, result: dict[str, Any]):
     model.config.use_cache = False  # with a cache, packed rows attend across examples (shared/DESIGN.md)
     targets = lora_target_modules(MODEL_SHAPES[args.model].family, list(LORA_TARGETS))
     lora = LoraConfig(
-        r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
+        r=args.lora_r, lora_alpha=args.lora_r, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
     )
     result["attn_implementation"] = attn
     result["versions"] = {d: package_version(d) for d in ("trl", "peft", "bitsandbytes")}
@@ -233,6 +233,8 @@ def train(args: argparse.Namespace, result: dict[str, Any]) -> None:
     result["trainer_init_s"] = round(time.perf_counter() - t0, 2)  # TRL tokenizes and packs the data here
     result["optimizer"] = config.optim
     result["collator"] = type(trainer.data_collator).__name__  # how this tool batches packed rows
+    # what the tool adapted (an MoE's experts may or may not be among them)
+    result["trainable_parameters"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     counter = trainer.data_collator = CountingCollator(trainer.data_collator)
     clock = _step_clock(cuda)
     trainer.add_callback(clock)
@@ -271,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--root", required=True, help="holds model-KEY/ and chat.jsonl; gets TOOL.result.json")
     p.add_argument("--hf-attn", default="auto")
+    p.add_argument("--lora-r", type=int, default=LORA_RANK, help="LoRA rank (alpha the same)")
     args = p.parse_args(argv)
     result: dict[str, Any] = {"status": "ok", "error": None}
     try:

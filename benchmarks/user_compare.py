@@ -65,10 +65,15 @@ from benchmarks.common import (
 from benchmarks.families_bench import run_stages
 from benchmarks.product import report_stats, write_chat_data
 from benchmarks.trl_sft import LEARNING_RATE, LR_SCHEDULE, MAX_GRAD_NORM, NEEDS, OPTIMIZER
+from slimtune.models.families import FAMILIES
 
-TOOLS = ("slimtune", *trl_sft.TOOLS)
+# the default rows; bf16_experts, for a mixture of experts only: slimtune's own tasks with its experts in bf16, the
+# reference its loss is held to (moe_reference.py)
+USER_TOOLS = ("slimtune", *trl_sft.TOOLS)
+TOOLS = (*USER_TOOLS, "bf16_experts")
 _MIN_START_S = 30  # a tool is not started with less of the budget left than this
-_SETTINGS = ("model", "tools", "device", "batch", "seq", "steps", "warmup", "gpu_budget_gib", "match_card_of")
+_SETTINGS = ("model", "tools", "device", "batch", "seq", "steps", "warmup", "gpu_budget_gib", "match_card_of", "lora_r")
+LOSS_TOLERANCE = 0.01  # issue 43: NF4 experts' loss within 1% of the bf16-expert reference's at every step
 
 
 def slimtune_spec(args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -78,8 +83,8 @@ def slimtune_spec(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "output_dir": str(root / "runs"),
         "model": {"name_or_path": str(root / f"model-{args.model}"), "device": args.device},
         "lora": {
-            "r": LORA_RANK,
-            "alpha": LORA_RANK,
+            "r": args.lora_r,
+            "alpha": args.lora_r,
             "dropout": 0.0,
             "target_modules": list(LORA_TARGETS),
             "gradient_checkpointing": "unsloth",
@@ -175,6 +180,7 @@ def slimtune_row(args: argparse.Namespace, root: Path, logs: Path, timeout: floa
     if report_path.is_file():
         lora = json.loads(report_path.read_text()).get("attach_lora") or {}
         row.update(kernels=lora.get("kernels"), kernels_skipped=lora.get("kernels_skipped"))
+        row["trainable_parameters"] = lora.get("trainable_parameters")
     return _check_steps(row, args.steps)
 
 
@@ -213,7 +219,7 @@ def trl_row(tool: str, args: argparse.Namespace, root: Path, logs: Path, timeout
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, trl_sft.__file__, "--tool", tool, "--model", args.model, "--device", args.device]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--root", str(root)]
-    cmd += ["--hf-attn", args.hf_attn]
+    cmd += ["--hf-attn", args.hf_attn, "--lora-r", str(args.lora_r)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if not args.device.startswith("cuda"):  # TRL 1.15's SFTTrainer always computes the loss in a Triton kernel
         env["TRITON_INTERPRET"] = "1"  # (trl/kernels/chunked_logprob.py), which has no CPU driver otherwise
@@ -232,6 +238,44 @@ def trl_row(tool: str, args: argparse.Namespace, root: Path, logs: Path, timeout
     return _check_steps(row, args.steps)
 
 
+def bf16_experts_row(args: argparse.Namespace, root: Path, logs: Path, timeout: float) -> dict[str, Any]:
+    """The bf16-expert reference (benchmarks/moe_reference.py) in its own process, on slimtune's spec."""
+    spec_path = root / "bf16-experts-spec.json"
+    spec_path.write_text(json.dumps(slimtune_spec(args, root)))
+    result_path = root / "bf16_experts.result.json"
+    result_path.unlink(missing_ok=True)
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "moe_reference.py"), "--spec", str(spec_path)]
+    proc = run_process(cmd + ["--out", str(result_path)], timeout, logs / "bf16_experts.log")
+    row = _base_row(args, "bf16_experts", proc)
+    if result_path.is_file():
+        result = json.loads(result_path.read_text())
+        report = result["report"]
+        row.update(steps=result["steps"], train_s=round(report["training_seconds"], 2), tokens=report["tokens_seen"])
+        row.update(tokens_per_s=round(report["tokens_per_s"], 1), peak_allocated_gib=result.get("peak_allocated_gib"))
+        row["dense_layers"] = result["dense_layers"]
+        _steady(row, SimpleNamespace(**report), args.warmup)
+    elif row["status"] == "ok":
+        row.update(status="error", error="the worker wrote no result")
+    return _check_steps(row, args.steps)
+
+
+def loss_gap(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """slimtune's loss against the bf16-expert reference's, step by step: the largest |difference| / reference."""
+    by_tool = {r["config"]: r for r in rows if r["status"] == "ok" and r.get("losses")}
+    if not {"slimtune", "bf16_experts"} <= set(by_tool):
+        return None
+    ours, ref = by_tool["slimtune"]["losses"], by_tool["bf16_experts"]["losses"]
+    gaps = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(ours, ref, strict=True)]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    return {
+        "steps": len(gaps),
+        "max_relative": round(gaps[worst], 5),
+        "at_step": ours[worst]["step"],
+        "tolerance": LOSS_TOLERANCE,
+        "within": gaps[worst] <= LOSS_TOLERANCE,
+    }
+
+
 def _cell(v: Any) -> str:
     if v is None:
         return "–"
@@ -245,7 +289,7 @@ def render(result: dict[str, Any]) -> str:
     s = result["settings"]
     lines = [
         f"{MODEL_SHAPES[s['model']].name} shape (random weights), micro-batch {s['batch']} x {s['seq']}, "
-        f"{s['steps']} optimizer steps, LoRA r={LORA_RANK} on the 7 projections, NF4. tokens/s: real tokens / "
+        f"{s['steps']} optimizer steps, LoRA r={s['lora_r']} on the 7 projections, NF4. tokens/s: real tokens / "
         f"training seconds; steady: median step after {s['warmup']} warm-up steps. GPU peaks while training "
         "(whole process in brackets); host RSS: the process tree's peak.",
         "",
@@ -262,6 +306,13 @@ def render(result: dict[str, Any]) -> str:
         cells += [_cell(r.get("tokens")), _cell(r.get("tokens_per_s")), _cell(r.get("steady_tokens_per_s"))]
         cells += [alloc, reserved, _cell(r.get("card_peak_gib")), _cell(r.get("host_rss_peak_gib")), loss]
         lines.append("| " + " | ".join(cells) + " |")
+    gap = result.get("loss_vs_bf16_experts")
+    if gap:
+        lines += [
+            "",
+            f"slimtune's loss against the bf16-expert reference over {gap['steps']} steps: at most "
+            f"{gap['max_relative']:.2%} apart (step {gap['at_step']}; tolerance {gap['tolerance']:.0%}).",
+        ]
     lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines) + "\n"
 
@@ -274,12 +325,13 @@ def _write(result: dict[str, Any], out: Path) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="1b", help=f"one of {', '.join(MODEL_SHAPES)}")
-    p.add_argument("--tools", default=",".join(TOOLS), help=f"comma list of {', '.join(TOOLS)}")
+    p.add_argument("--tools", default=",".join(USER_TOOLS), help=f"comma list of {', '.join(TOOLS)}")
     p.add_argument("--device", default="cuda")
     p.add_argument("--batch", type=int, default=4, help="micro-batch (rows of --seq tokens)")
     p.add_argument("--seq", type=int, default=2048, help="max_seq_length / max_length")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps, no accumulation")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the steady rate")
+    p.add_argument("--lora-r", type=int, default=LORA_RANK, help="LoRA rank of every tool (alpha the same)")
     p.add_argument("--hf-attn", default="auto", help="hf_trl's attn_implementation (auto: flash_attention_2 or sdpa)")
     p.add_argument("--timeout-s", type=float, default=220.0, help="per tool")
     p.add_argument(
@@ -305,6 +357,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         problems.append(f"--warmup {args.warmup}: must be at least 0 and less than --steps {args.steps}")
     if args.match_card_of and (args.gpu_budget_gib or args.match_card_of not in tools or "slimtune" not in tools):
         problems.append(f"--match-card-of {args.match_card_of}: needs it and slimtune in --tools, no --gpu-budget-gib")
+    family = FAMILIES.get(MODEL_SHAPES[args.model].family) if args.model in MODEL_SHAPES else None
+    if "bf16_experts" in tools and not (family and family.experts):
+        problems.append(f"--tools bf16_experts: only for a mixture of experts, not --model {args.model}")
     if problems:
         p.error("; ".join(problems))
     if args.match_card_of:  # measured first, so slimtune can be held to its card
@@ -325,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "env": environment(args.device),
         "settings": {k: getattr(args, k) for k in _SETTINGS}
-        | {"learning_rate": LEARNING_RATE, "lr_schedule": LR_SCHEDULE, "lora_rank": LORA_RANK},
+        | {"learning_rate": LEARNING_RATE, "lr_schedule": LR_SCHEDULE},
         "command": command_line("benchmarks/user_compare.py", argv),
         "rows": [],
     }
@@ -343,11 +398,14 @@ def main(argv: list[str] | None = None) -> int:
             row = make_row(args.model, tool, args.batch, args.seq, "timeout", error="not started: time budget spent")
         elif tool == "slimtune":
             row = slimtune_row(args, root, logs, min(args.timeout_s, left))
+        elif tool == "bf16_experts":
+            row = bf16_experts_row(args, root, logs, min(args.timeout_s, left))
         else:
             row = trl_row(tool, args, root, logs, min(args.timeout_s, left))
         shown = ("config", "status", "error", "wall_s", "tokens_per_s", "steady_tokens_per_s", "peak_allocated_gib")
         print(json.dumps({k: row.get(k) for k in shown}), flush=True)
         result["rows"].append(row)
+        result["loss_vs_bf16_experts"] = loss_gap(result["rows"])
         if tool == args.match_card_of and row.get("card_peak_gib"):
             args.gpu_budget_gib = result["settings"]["gpu_budget_gib"] = row["card_peak_gib"]
         _write(result, out)  # after every tool: a call cut short keeps what finished

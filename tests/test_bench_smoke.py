@@ -203,7 +203,15 @@ def test_process_rss_sampler_sees_an_allocation_in_this_process() -> None:
     assert rss.peak_host_rss - rss.start_host_rss > 250 * 1024**2
 
 
-@pytest.mark.parametrize("key,params", [("gemma3_1b", 999_885_952), ("phi3_mini", 3_821_079_552)])
+@pytest.mark.parametrize(
+    "key,params",
+    [
+        ("gemma3_1b", 999_885_952),
+        ("phi3_mini", 3_821_079_552),
+        ("qwen3_30b_a3b", 30_532_122_624),
+        ("gpt_oss_20b", 20_914_757_184),
+    ],
+)
 def test_family_shapes_are_the_released_models(key: str, params: int) -> None:
     """The real-size shapes of benchmarks/families_bench.py: the released parameter counts (built on the meta
     device), and configs slimtune accepts and can export."""

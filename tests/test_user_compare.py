@@ -140,14 +140,36 @@ def test_render_has_a_line_per_tool_with_its_status() -> None:
         {"config": "unsloth", "status": "error", "error": "RuntimeError: a | b\nsecond line"},
         {"config": "hf_trl", "status": "not installed", "error": "no module ['trl']"},
     ]  # fmt: skip
-    settings = {"model": "1b", "batch": 4, "seq": 2048, "steps": 20, "warmup": 3}
+    settings = {"model": "1b", "batch": 4, "seq": 2048, "steps": 20, "warmup": 3, "lora_r": 16}
     text = user_compare.render({"settings": settings, "rows": rows, "command": "python3 x --out $OUT"})
     table = [line for line in text.splitlines() if line.startswith("| ")][1:]
     assert [line.split(" | ")[0] for line in table] == ["| slimtune", "| unsloth", "| hf_trl"]
     assert all(line.count("|") == table[0].count("|") for line in table)  # the error's pipe is escaped
     assert "16,106" in table[0] and "2.1 (2.4)" in table[0] and "11.76 → 11.2" in table[0]
     assert "error: RuntimeError: a / b second line" in table[1]
-    assert "Llama-3.2-1B" in text and "python3 x --out $OUT" in text
+    assert "Llama-3.2-1B" in text and "LoRA r=16" in text and "python3 x --out $OUT" in text
+    assert "bf16-expert reference" not in text  # no such row, no such line
+
+
+def test_loss_gap_against_the_bf16_expert_reference_is_the_worst_step() -> None:
+    def row(tool: str, losses: list[float], status: str = "ok") -> dict:
+        return {"config": tool, "status": status, "losses": [{"step": i + 1, "loss": x} for i, x in enumerate(losses)]}
+
+    ours, ref = row("slimtune", [12.0, 11.0, 10.5]), row("bf16_experts", [12.0, 10.8, 10.5])
+    gap = user_compare.loss_gap([ours, ref])
+    assert gap == {"steps": 3, "max_relative": round(0.2 / 10.8, 5), "at_step": 2, "tolerance": 0.01, "within": False}
+    assert user_compare.loss_gap([ours, row("bf16_experts", [12.0, 10.95, 10.5])])["within"]
+    assert user_compare.loss_gap([ours, row("bf16_experts", [12.0], "error")]) is None  # nothing to compare
+    settings = {"model": "gpt_oss_20b", "batch": 1, "seq": 1024, "steps": 3, "warmup": 1, "lora_r": 8}
+    text = user_compare.render({"settings": settings, "rows": [ours, ref], "command": "c", "loss_vs_bf16_experts": gap})
+    assert "at most 1.85% apart (step 2; tolerance 1%)" in text
+
+
+def test_the_bf16_expert_reference_is_only_for_a_mixture_of_experts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert user_compare.parse_args(["--model", "tiny_qwen3_moe", "--tools", "slimtune,bf16_experts"]).lora_r == 16
+    with pytest.raises(SystemExit):
+        user_compare.parse_args(["--model", "1b", "--tools", "slimtune,bf16_experts"])
+    assert "--tools bf16_experts: only for a mixture of experts, not --model 1b" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
