@@ -245,3 +245,15 @@ def test_at_the_last_rung_a_retry_first_gives_up_the_stored_layers_and_graphs(tm
     assert resolve_train(bare, LLAMA_8B, "cuda").stored_layers == 0
     with pytest.raises(DownshiftExhausted):
         resolve_train(bare, LLAMA_8B, "cuda", attempt=2)
+
+
+def test_a_mixture_of_experts_plans_no_cuda_graphs_and_says_why(tmp_path):
+    """Its layers are never captured (the host picks the experts: `graphs_refusal`), so the plan reserves no pool."""
+    from benchmarks.common import MODEL_SHAPES
+    from slimtune.train.step.checkpointing import EXPERTS_REFUSAL
+
+    shape = MODEL_SHAPES["qwen3_30b_a3b"]
+    moe = {"model_type": shape.family, **shape.config}
+    settings = resolve_train(_spec(tmp_path, micro_batch_size=1), moe, "cuda", fits=lambda est: True)
+    assert not settings.cuda_graphs and settings.graphs_off == EXPERTS_REFUSAL
+    assert resolve_train(_spec(tmp_path, micro_batch_size=1, stored_layers=0), LLAMA_8B, "cuda").cuda_graphs

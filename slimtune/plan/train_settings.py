@@ -149,14 +149,12 @@ def resolve_train(
     graphs = train.cuda_graphs and attempt == 1 and not moe and fits(estimate(cuda_graphs=True))
     graphs_off = None
     if train.cuda_graphs and not graphs:
-        retry = attempt > 1
-        graphs_off = (
-            "a retry after running out of memory"
-            if retry
-            else EXPERTS_REFUSAL
-            if moe
-            else "the estimate with them exceeds the budget"
-        )
+        if attempt > 1:
+            graphs_off = "a retry after running out of memory"
+        elif moe:
+            graphs_off = EXPERTS_REFUSAL
+        else:
+            graphs_off = "the estimate with them exceeds the budget"
     stored, stored_note = _stored_layers(spec, cfg, device_type, attempt, shift.checkpointing, graphs, fits, estimate)
     if stored and stored == model_shape(cfg).layers:
         graphs = False  # no layer is recomputed: there is no backward to capture
