@@ -139,6 +139,7 @@ def test_linear_attention_layers_count_their_larger_activations(tmp_path):
     """Qwen3.5's Gated DeltaNet layers keep more than an attention layer (1.5x compiled on an H200, 1.8x eager on
     the CPU, at Qwen3.5-4B's widths): the estimate counts each stored layer at the GPU's factor; auto stores every
     layer without a budget and, under one, what fits at that count; an explicit count is still honoured."""
+    from slimtune.memory import activations
     from slimtune.memory import estimate as estimates
 
     qwen35 = {
@@ -163,11 +164,11 @@ def test_linear_attention_layers_count_their_larger_activations(tmp_path):
     shape = estimates.model_shape(qwen35)
     assert shape.linear_attention
     targets = estimates._targets(shape, "all-linear")
-    counted = estimates._activation_bytes_per_token_layer(shape, 2, targets, 16)
+    counted = activations.bytes_per_token_layer(shape, 2, targets, 16)
     est = estimates.estimate_train(
         qwen35, micro_batch=4, seq_len=2048, lora_r=16, target_modules=targets, checkpointing="unsloth", stored_layers=8
     )
-    factor = estimates._LINEAR_ATTENTION_ACTIVATIONS
+    factor = activations.LINEAR_ATTENTION_ACTIVATIONS
     assert factor > 1
     assert est.breakdown["gpu: activations of the stored layers"] == 8 * int(4 * 2048 * int(counted * factor))
     budget = train_estimate(spec, qwen35, 4, "unsloth", "cuda", stored_layers=8).gpu_bytes
@@ -250,10 +251,10 @@ def test_at_the_last_rung_a_retry_first_gives_up_the_stored_layers_and_graphs(tm
 def test_a_mixture_of_experts_plans_no_cuda_graphs_and_says_why(tmp_path):
     """Its layers are never captured (the host picks the experts: `graphs_refusal`), so the plan reserves no pool."""
     from benchmarks.common import MODEL_SHAPES
-    from slimtune.train.step.checkpointing import EXPERTS_REFUSAL
+    from slimtune.models.experts import GRAPHS_REFUSAL
 
     shape = MODEL_SHAPES["qwen3_30b_a3b"]
     moe = {"model_type": shape.family, **shape.config}
     settings = resolve_train(_spec(tmp_path, micro_batch_size=1), moe, "cuda", fits=lambda est: True)
-    assert not settings.cuda_graphs and settings.graphs_off == EXPERTS_REFUSAL
+    assert not settings.cuda_graphs and settings.graphs_off == GRAPHS_REFUSAL
     assert resolve_train(_spec(tmp_path, micro_batch_size=1, stored_layers=0), LLAMA_8B, "cuda").cuda_graphs

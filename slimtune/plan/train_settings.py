@@ -17,10 +17,10 @@ from slimtune.kernels.apply import expected_kernels
 from slimtune.memory.downshift import DownshiftExhausted, TrainShift, downshift_train
 from slimtune.memory.estimate import Estimate
 from slimtune.memory.model_shape import model_shape
+from slimtune.models.experts import GRAPHS_REFUSAL
 from slimtune.plan.fit import auto_micro_batch, train_estimate
 from slimtune.spec.schema import PipelineSpec, TrainSpec
 from slimtune.train.step.attention import varlen_expected
-from slimtune.train.step.checkpointing import EXPERTS_REFUSAL
 
 # DDP and FSDP want every parameter on the rank's GPU (they check device types and broadcast or shard them
 # at wrap time); the guard's estimate for a multi-GPU run leaves these kernels out too.
@@ -145,14 +145,14 @@ def resolve_train(
     estimate = functools.partial(train_estimate, spec, cfg, shift.micro_batch, shift.checkpointing, device_type)
     # CUDA graphs of the layers' backward hold a recomputed layer in a pool of their own: an extra, used only on
     # the first attempt and where the estimate with them fits
-    moe = bool(model_shape(cfg).experts)  # never captured (EXPERTS_REFUSAL): their pool is not planned for
+    moe = bool(model_shape(cfg).experts)  # never captured (GRAPHS_REFUSAL): their pool is not planned for
     graphs = train.cuda_graphs and attempt == 1 and not moe and fits(estimate(cuda_graphs=True))
     graphs_off = None
     if train.cuda_graphs and not graphs:
         if attempt > 1:
             graphs_off = "a retry after running out of memory"
         elif moe:
-            graphs_off = EXPERTS_REFUSAL
+            graphs_off = GRAPHS_REFUSAL
         else:
             graphs_off = "the estimate with them exceeds the budget"
     stored, stored_note = _stored_layers(spec, cfg, device_type, attempt, shift.checkpointing, graphs, fits, estimate)

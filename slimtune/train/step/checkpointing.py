@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from slimtune.memory.clean import drop_cublas_workspaces
+from slimtune.models.experts import GRAPHS_REFUSAL
 from slimtune.train.step.layer_graphs import LayerGraphs
 from slimtune.train.step.offload import ActivationOffloader, OffloadStats
 
@@ -313,12 +314,6 @@ def _patched(model: nn.Module) -> list[tuple[_CheckpointedForward, nn.Module]]:
     return [(f, layer) for f, layer in patched if isinstance(f, _CheckpointedForward)]
 
 
-# mixture-of-experts layers pick their experts on the host (`NF4Experts.forward`): the planner reads it from the config
-EXPERTS_REFUSAL = (
-    "the host picks which experts to run from each batch's routing (mixture of experts); a replay would not"
-)
-
-
 def graphs_refusal(model: nn.Module) -> str | None:
     """Why `graphed_backward` would leave `model`'s layers eager, or None when it graphs them."""
     from slimtune.kernels.nf4_experts import NF4Experts  # imports bitsandbytes, which only MoE models need here
@@ -335,7 +330,7 @@ def graphs_refusal(model: nn.Module) -> str | None:
             "the linear-attention layers read each batch's document starts outside their arguments; a replay would not"
         )
     if any(isinstance(m, NF4Experts) for layer in layers for m in layer.modules()):
-        return EXPERTS_REFUSAL
+        return GRAPHS_REFUSAL
     device = next((p.device for layer in layers for p in layer.parameters()), torch.device("cpu"))
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
