@@ -129,8 +129,10 @@ _MATMULS = (torch.nn.functional.linear, torch._grouped_mm, torch.matmul, torch.T
 
 
 def _q8_0_rounded(x: torch.Tensor) -> torch.Tensor:
-    """`x` through ggml's quantize_row_q8_0 (its AVX form: scale 127 / amax, ties to even) and back."""
+    """`x` through ggml's quantize_row_q8_0 (its AVX form: scale 127 / amax, ties to even) and back. A block whose
+    fp16 scale rounds to 0 (amax under ~4e-6) contributes 0 there, whatever its 8-bit values (127 / amax may be inf)."""
     blocks = x.reshape(*x.shape[:-1], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0.0))
-    return (q * (amax / 127).half().float()).reshape(x.shape)
+    scale = (amax / 127).half().float()
+    return torch.where(scale > 0, q * scale, 0.0).reshape(x.shape)
