@@ -14,6 +14,7 @@ Usage (user_compare.py's `bf16_experts` row runs it): python3 benchmarks/moe_ref
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -52,20 +53,13 @@ class DenseExpertWeights(nn.Module):
         return self.weight[e].to(dtype or self.dtype)
 
 
-def _checkpoint_reader(model_dir: Path):
-    """name -> tensor (on the CPU) from the checkpoint's safetensors shards."""
+def _checkpoint_tensors(model_dir: Path, stack: contextlib.ExitStack) -> dict:
+    """name -> the open shard that holds it (`get_tensor(name)` reads it to the CPU), each shard opened once for
+    as long as `stack` lives: a Qwen3-30B-A3B checkpoint has 18,432 expert matrices."""
     from safetensors import safe_open
 
-    files = {}
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            files.update(dict.fromkeys(f.keys(), shard))
-
-    def read(name: str) -> torch.Tensor:
-        with safe_open(str(files[name]), framework="pt") as f:
-            return f.get_tensor(name)
-
-    return read
+    shards = [stack.enter_context(safe_open(str(p), framework="pt")) for p in sorted(model_dir.glob("*.safetensors"))]
+    return {name: shard for shard in shards for name in shard.keys()}
 
 
 def dense_experts(model: nn.Module, model_dir: Path, dtype: torch.dtype) -> int:
@@ -74,17 +68,24 @@ def dense_experts(model: nn.Module, model_dir: Path, dtype: torch.dtype) -> int:
     from slimtune.kernels.nf4_experts import NF4Experts
     from slimtune.models.experts import HELD, per_expert_name
 
-    read = _checkpoint_reader(model_dir)
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, NF4Experts)]
-    for block, module in blocks:
-        device = module.gate_up.packed.device
-        for projection, held in HELD.items():
-            if module.transposed:  # gpt-oss keeps `<block>.gate_up_proj` [E, H, 2I] and `<block>.down_proj`
-                fused = read(f"{block}.{projection}_proj")
-            else:
-                experts = range(module.num_experts)
-                fused = torch.stack([torch.cat([read(per_expert_name(block, e, p)) for p in held]) for e in experts])
-            setattr(module, projection, DenseExpertWeights(fused.to(device=device, dtype=dtype)))
+    with contextlib.ExitStack() as stack:
+        shards = _checkpoint_tensors(model_dir, stack)
+
+        def read(name: str) -> torch.Tensor:
+            return shards[name].get_tensor(name)
+
+        for block, module in blocks:
+            device = module.gate_up.packed.device
+            for projection, held in HELD.items():
+                if module.transposed:  # gpt-oss keeps `<block>.gate_up_proj` [E, H, 2I] and `<block>.down_proj`
+                    fused = read(f"{block}.{projection}_proj")
+                else:
+                    experts = range(module.num_experts)
+                    fused = torch.stack(
+                        [torch.cat([read(per_expert_name(block, e, p)) for p in held]) for e in experts]
+                    )
+                setattr(module, projection, DenseExpertWeights(fused.to(device=device, dtype=dtype)))
     return len(blocks)
 
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if train.get("micro_batch_size") == "auto":  # no budget: the whole effective batch in one micro-batch
         train.update(micro_batch_size=train.pop("effective_batch_size"), gradient_accumulation_steps=1)
     spec = parse_spec(raw)
-    result: dict = {"tool": "bf16_experts", "status": "error"}
+    result: dict = {}
     t0 = time.perf_counter()
     loaded = load_4bit(spec)
     model = registry.get(loaded.handle)
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         gradient_accumulation_steps=spec.train.gradient_accumulation_steps,
         gradient_checkpointing=spec.lora.gradient_checkpointing,
     )
-    result.update(status="ok", steps=report.steps, report=asdict(report))
+    result.update(steps=report.steps, report=asdict(report))
     if cuda:
         result["peak_allocated_gib"] = gib(torch.cuda.max_memory_allocated())
     write_json_atomic(Path(args.out), result)

@@ -287,9 +287,11 @@ def _cell(v: Any) -> str:
 def render(result: dict[str, Any]) -> str:
     """The markdown table: one line per tool, then the command that made it."""
     s = result["settings"]
+    family = FAMILIES.get(MODEL_SHAPES[s["model"]].family)
+    storage = "NF4 (Unsloth: experts in 16 bits)" if family and family.experts else "NF4"
     lines = [
         f"{MODEL_SHAPES[s['model']].name} shape (random weights), micro-batch {s['batch']} x {s['seq']}, "
-        f"{s['steps']} optimizer steps, LoRA r={s['lora_r']} on the 7 projections, NF4. tokens/s: real tokens / "
+        f"{s['steps']} optimizer steps, LoRA r={s['lora_r']} on the 7 projections, {storage}. tokens/s: real tokens / "
         f"training seconds; steady: median step after {s['warmup']} warm-up steps. GPU peaks while training "
         "(whole process in brackets); host RSS: the process tree's peak.",
         "",

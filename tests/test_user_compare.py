@@ -162,7 +162,7 @@ def test_loss_gap_against_the_bf16_expert_reference_is_the_worst_step() -> None:
     assert user_compare.loss_gap([ours, row("bf16_experts", [12.0], "error")]) is None  # nothing to compare
     settings = {"model": "gpt_oss_20b", "batch": 1, "seq": 1024, "steps": 3, "warmup": 1, "lora_r": 8}
     text = user_compare.render({"settings": settings, "rows": [ours, ref], "command": "c", "loss_vs_bf16_experts": gap})
-    assert "at most 1.85% apart (step 2; tolerance 1%)" in text
+    assert "at most 1.85% apart (step 2; tolerance 1%)" in text and "NF4 (Unsloth: experts in 16 bits)" in text
 
 
 def test_the_bf16_expert_reference_is_only_for_a_mixture_of_experts(capsys: pytest.CaptureFixture[str]) -> None:
