@@ -33,7 +33,7 @@ SUFFIX = "-bf16-experts"  # the reference's run name: its own run directory besi
 
 class DenseExpertWeights(nn.Module):
     """E matrices of one shape held as they are: what `NF4Experts` reads of its NF4 storage (`num_experts`,
-    `shape`, `dtype`, the device of `packed`, `dequantize(e)`), with no quantization in between."""
+    `shape`, `dtype`, the device of `packed`, `dequantize_experts`), with no quantization in between."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -49,8 +49,8 @@ class DenseExpertWeights(nn.Module):
     def packed(self) -> torch.Tensor:  # NF4Experts places its LoRA on this tensor's device
         return self.weight
 
-    def dequantize(self, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.weight[e].to(dtype or self.dtype)
+    def dequantize_experts(self, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.weight[start:stop].to(dtype or self.dtype)
 
 
 def _checkpoint_tensors(model_dir: Path, stack: contextlib.ExitStack) -> dict:

@@ -281,9 +281,9 @@ def test_expert_lora_is_saved_per_expert_of_the_fused_tensors_and_merged_onto_th
 
 
 def test_lora_grads_in_bf16_equal_autograd_through_the_dequantized_weights():
-    """bf16 experts with fp32 LoRA: NF4Experts (its matmul dequantizes again in backward instead of saving the
-    weight) gives the output and LoRA gradients of plain autograd through transformers' gate on the bf16 weights it
-    dequantizes, in transformers' routing order."""
+    """bf16 experts with fp32 LoRA cast to bf16 for its products (as the dense layers' LoRA): NF4Experts (grouped
+    GEMMs whose frozen matmul dequantizes again in backward instead of saving the weight) gives the output and LoRA
+    gradients of plain autograd, expert by expert, through transformers' gate on the bf16 weights it dequantizes."""
     model = build_model("gpt_oss", 64, num_hidden_layers=1).to(torch.bfloat16)
     experts = model.model.layers[0].mlp.experts
     with torch.no_grad():  # random biases: a bias read from the wrong expert shows
@@ -301,14 +301,14 @@ def test_lora_grads_in_bf16_equal_autograd_through_the_dequantized_weights():
     x = torch.randn(tokens, 256, generator=g).to(torch.bfloat16)
     index = torch.stack([torch.randperm(7, generator=g)[:top_k] for _ in range(tokens)])  # expert 7 gets none
     weights = torch.softmax(torch.randn(tokens, top_k, generator=g), dim=-1).to(torch.bfloat16)
-    dense = {n: torch.stack([getattr(nf4, n).dequantize(e) for e in range(8)]) for n in ("gate_up", "down")}
+    dense = {n: getattr(nf4, n).dequantize_experts(0, 8) for n in ("gate_up", "down")}
     reference_lora = {
         n: [getattr(nf4, f"{n}_lora_{ab}").detach().clone().requires_grad_() for ab in "AB"] for n in dense
     }
 
     def project(h: torch.Tensor, name: str, bias: torch.Tensor, e: int) -> torch.Tensor:
         a, b = reference_lora[name]
-        return h @ dense[name][e] + bias[e] + ((h.float() @ a[e].t()) @ b[e].t() * 2.0).to(h.dtype)
+        return h @ dense[name][e] + bias[e] + (h @ a[e].to(h.dtype).t()) @ b[e].to(h.dtype).t() * 2.0
 
     expected = torch.zeros_like(x)
     for e in range(8):

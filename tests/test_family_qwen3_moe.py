@@ -62,6 +62,9 @@ def test_estimates_count_every_expert_and_route_each_token_through_k():
         - attention_only.breakdown["gpu: lora weights and grads (fp32)"]
     )
     assert lora == layers * e * 16 * (3 * h + 3 * i) * 8  # every expert's gate, up and down: fp32 weight and grad
+    # the grouped GEMMs dequantize 256 MiB of gate_up experts at once (42 of 2 x 768 x 2048 in bf16), and the
+    # separately stored gate and up are stacked into that chunk: twice it while both are held
+    assert train.breakdown["gpu: a chunk of experts dequantized (grouped matmul)"] == 2 * 42 * 2 * i * h * 2
     # a token's activations go through its 8 experts (not 1, not all 128): each more expert keeps its MLP's gate,
     # activation and up (3 i) and its LoRA inputs (gate, up: h + r; down: i + r), 16-bit, per token and layer
     stored = "gpu: activations (no checkpointing)"

@@ -223,7 +223,11 @@ def test_nf4_roundtrip_matches_what_from_pretrained_holds(models, nf4_models, fa
         if isinstance(module, tuple):  # an expert's matrix in NF4ExpertWeights
             weights, e = module
             experts = range(weights.num_experts) if e is None else None
-            loaded = weights.dequantize(e) if experts is None else torch.stack([weights.dequantize(i) for i in experts])
+            loaded = (
+                weights.dequantize_experts(e, e + 1)[0]
+                if experts is None
+                else torch.stack([weights.dequantize_experts(i, i + 1)[0] for i in experts])
+            )
         else:
             loaded = bf.dequantize_4bit(module.weight.data, module.weight.quant_state)
         ours = roundtrip(stored[name], QuantSpec())

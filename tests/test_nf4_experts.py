@@ -63,10 +63,7 @@ def _routing(hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
 
 def _dequantized(nf4: NF4Experts, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Both projections of every expert, dequantized and stacked in the transformers parameter layout."""
-    return {
-        f"{name}_proj": torch.stack([getattr(nf4, name).dequantize(e, dtype) for e in range(_E)])
-        for name in ("gate_up", "down")
-    }
+    return {f"{name}_proj": getattr(nf4, name).dequantize_experts(0, _E, dtype) for name in ("gate_up", "down")}
 
 
 def _flat_dequantize(packed: torch.Tensor, state) -> torch.Tensor:
@@ -106,15 +103,20 @@ def test_quantize_experts_equals_bitsandbytes_per_expert(family, dtype):
             reference = bnbf.dequantize_4bit(packed, state)
             assert torch.equal(bnbf.dequantize_4bit(storage.packed[e], ours), reference), (name, e)
             flat = _flat_dequantize(packed, state)
-            assert torch.equal(storage.dequantize(e), flat), (name, e)
+            assert torch.equal(storage.dequantize_experts(e, e + 1)[0], flat), (name, e)
             if weight.shape[-1] % 64 == 0:  # rows of whole blocks: bitsandbytes' CPU kernel computes the same
                 assert torch.equal(flat, reference), (name, e)
             assert not torch.equal(reference, weight[e])  # NF4 is lossy: the comparison above is not vacuous
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one-chunk", "expert-by-expert"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_forward_and_input_grad_equal_transformers_on_dequantized_weights(family, dtype):
+def test_forward_and_input_grad_equal_transformers_on_dequantized_weights(family, dtype, chunk_bytes, monkeypatch):
+    """The grouped GEMMs, over all experts dequantized at once or one expert per chunk (the empty expert's chunk
+    skipped), give transformers' eager output and input gradient bit for bit."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr("slimtune.kernels.nf4_experts.DEQUANT_CHUNK_BYTES", chunk_bytes)
     reference = _experts(_tiny_model(family, dtype))
     nf4 = NF4Experts.from_experts(copy.deepcopy(reference), dtype)
     with torch.no_grad():

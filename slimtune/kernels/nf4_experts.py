@@ -9,12 +9,13 @@ gives, but stacked: one tensor per field for all experts, so a layer holds six t
 of one expert.
 
 `NF4Experts` replaces `Qwen3MoeExperts` or `GptOssExperts` with the same forward signature and the
-same routing (tokens grouped per expert exactly as transformers does, so outputs are bitwise equal to
-transformers' eager path on the dequantized weights). Only the experts a batch hits are dequantized,
-one at a time, and `_NF4ExpertMatmul` dequantizes again in backward instead of saving the weight:
-saving it would keep every hit expert's dense matrix alive until backward (~1.5 GiB per
-Qwen3-30B-A3B layer in bf16), which is the memory NF4 was meant to save. `nf4_expert_matmul` is the
-one function a grouped GPU kernel replaces.
+same routing. A layer's routed tokens are sorted by expert once, and each projection runs as grouped
+GEMMs (`grouped_matmul`: one `torch._grouped_mm` per chunk of experts) over weights dequantized a chunk of
+experts at a time (`DEQUANT_CHUNK_BYTES`), the LoRA factors as grouped GEMMs of their own. Run one expert at
+a time, the ~25 ops of each expert's projections took Qwen3-30B-A3B's 128 experts x 48 layers to ~10 s a
+step, almost all of it launches. `_NF4GroupedMatmul` dequantizes again in backward instead of saving the
+weights: saving them would keep every layer's dense experts (~1.5 GiB per Qwen3-30B-A3B layer in bf16)
+alive until backward, which is the memory NF4 was meant to save.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from bitsandbytes.functional import QuantState, create_dynamic_map, dequantize_4bit, get_4bit_type
+from bitsandbytes.functional import QuantState, create_dynamic_map, get_4bit_type
 from torch import nn
 
 from slimtune.models.experts import EXPERT_CLASSES, HELD, per_expert_lora_key, stored_projections
@@ -33,6 +35,9 @@ from slimtune.models.experts import EXPERT_CLASSES, HELD, per_expert_lora_key, s
 BLOCKSIZE = 64  # NF4 block, as bitsandbytes' default and QLoRA's
 _BLOCKSIZE2 = 256  # blocks of absmax values that bitsandbytes' double quantization uses
 CHUNK_ELEMENTS = 1 << 26  # fp32 temporaries of quantization bounded to ~256 MiB per chunk of experts
+# Dense experts one grouped GEMM reads, dequantized at once (a Qwen3-30B-A3B layer's 128 gate_up matrices are
+# 768 MiB in bf16): a few chunks a projection keep the launches few and the transient bounded
+DEQUANT_CHUNK_BYTES = 256 << 20
 LORA_PROJECTIONS = tuple(HELD)  # the projections of `NF4Experts`: gate_up, down
 
 
@@ -80,22 +85,27 @@ class NF4ExpertWeights(nn.Module):
             state2=state2,
         )
 
-    def dequantize(self, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Expert `e`'s matrix in `dtype` (default the quantized weight's), equal to bitsandbytes' `dequantize_4bit`.
+    def dequantize_experts(self, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Experts `start:stop` as [n, *shape] in `dtype` (default the quantized weight's), each equal to bitsandbytes'
+        `dequantize_4bit` of that expert.
 
-        Same arithmetic and roundings as bitsandbytes: absmax = fp32(code2[q] * absmax2) + offset (two
-        roundings), then fp32(code[nibble] * absmax) rounded once to `dtype`. On CUDA bitsandbytes' own kernel
-        does it in one launch (a step calls this three times per routed expert and layer); elsewhere torch ops.
+        Same arithmetic and roundings as bitsandbytes: absmax = fp32(code2[q] * absmax2) + offset (two roundings,
+        here for the whole chunk of experts, each with its own offset), then fp32(code[nibble] * absmax) rounded once
+        to `dtype`: on CUDA by bitsandbytes' own kernel, for all the experts in one launch; elsewhere by torch ops
+        (bitsandbytes' AVX-512 CPU kernel gives other values where a row is not a whole number of blocks).
         """
-        if self.packed.is_cuda:
-            return dequantize_4bit(self.packed[e].unsqueeze(1), self.quant_state(e, dtype))
-        n_blocks = self.absmax.shape[1]
-        absmax = self.code2[self.absmax[e].long()] * self.absmax2[e].repeat_interleave(_BLOCKSIZE2)[:n_blocks]
-        absmax = absmax + self.offset[e]
-        packed = self.packed[e]
-        nibbles = torch.stack((packed >> 4, packed & 15), dim=-1).view(-1, BLOCKSIZE).long()
-        values = self.code[nibbles] * absmax.unsqueeze(1)
-        return values.view(self.shape).to(dtype or self.dtype)
+        n, n_blocks = stop - start, self.absmax.shape[1]
+        dtype = dtype or self.dtype
+        absmax2 = self.absmax2[start:stop].repeat_interleave(_BLOCKSIZE2, dim=1)[:, :n_blocks]
+        absmax = self.code2[self.absmax[start:stop].long()] * absmax2 + self.offset[start:stop, None]
+        packed = self.packed[start:stop]
+        if packed.is_cuda:
+            flat = torch.ops.bitsandbytes.dequantize_4bit.default(
+                packed.reshape(-1, 1), absmax.view(-1), BLOCKSIZE, "nf4", [n * self.shape[0], self.shape[1]], dtype
+            )
+            return flat.view(n, *self.shape)
+        nibbles = torch.stack((packed >> 4, packed & 15), dim=-1).view(n, n_blocks, BLOCKSIZE).long()
+        return (self.code[nibbles] * absmax.unsqueeze(-1)).view(n, *self.shape).to(dtype)
 
 
 def quantize_experts(weight: torch.Tensor, dtype: torch.dtype | None = None) -> NF4ExpertWeights:
@@ -155,35 +165,79 @@ class NF4ExpertRows(nn.Module):
     def packed(self) -> torch.Tensor:  # the device and the first part's bytes, as NF4ExpertWeights has them
         return self.parts[0].packed
 
-    def dequantize(self, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Expert `e`'s fused matrix: its stored matrices' dequantizations, stacked by rows."""
-        return torch.cat([p.dequantize(e, dtype) for p in self.parts])
+    def dequantize_experts(self, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Experts `start:stop`' fused matrices: each stored matrix's dequantization, stacked by rows."""
+        return torch.cat([p.dequantize_experts(start, stop, dtype) for p in self.parts], dim=1)
 
 
-class _NF4ExpertMatmul(torch.autograd.Function):
-    """`x @ W_e^T` (or `x @ W_e` when the storage is transposed) with W_e a constant dequantized in both passes."""
+class ExpertGroups(NamedTuple):
+    """Rows sorted by expert: `counts[e]` rows of expert e after those of e - 1, and the same as device int32 ends
+    (`torch._grouped_mm`'s offsets, kept on the device so that no GEMM waits on a copy from the host)."""
+
+    counts: list[int]
+    ends: torch.Tensor
+
+    def chunk(self, start: int, stop: int) -> tuple[int, ExpertGroups]:
+        """The first row of experts `start:stop`, and their groups counted from it."""
+        first = sum(self.counts[:start])
+        return first, ExpertGroups(self.counts[start:stop], self.ends[start:stop] - first)
+
+
+def _grouped_mm_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands: one dtype and every stride a multiple of 16 bytes (LoRA
+    ranks and widths that are not, e.g. r=4 in bf16, run a GEMM per expert)."""
+    size = a.element_size()
+    strides = (a.stride(0), *b.stride(), b.shape[-1])
+    return a.dtype == b.dtype and all(s == 1 or s * size % 16 == 0 for s in strides) and a.stride(1) == 1
+
+
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    """`a`'s rows of expert g times `b[g]` ([G, K, M]) for every g, as one grouped GEMM; differentiable."""
+    a = a.contiguous()
+    if _grouped_mm_layout(a, b):
+        return torch._grouped_mm(a, b, offs=groups.ends)
+    return torch.cat([x @ w for x, w in zip(a.split(groups.counts), b)])
+
+
+def _expert_chunks(weights: NF4ExpertWeights | NF4ExpertRows, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """(start, stop) of the chunks of experts dequantized at once, each at most `DEQUANT_CHUNK_BYTES` dense."""
+    rows, cols = weights.shape
+    step = max(1, DEQUANT_CHUNK_BYTES // (rows * cols * dtype.itemsize))
+    return [(e, min(e + step, weights.num_experts)) for e in range(0, weights.num_experts, step)]
+
+
+def _nf4_grouped(
+    x: torch.Tensor, weights: NF4ExpertWeights | NF4ExpertRows, groups: ExpertGroups, transposed: bool
+) -> torch.Tensor:
+    """Each expert's rows of `x` times its matrix W ([rows, cols]): `x @ W` if `transposed`, else `x @ W^T`."""
+    out = []
+    for start, stop in _expert_chunks(weights, x.dtype):
+        first, chunk = groups.chunk(start, stop)
+        rows = sum(chunk.counts)
+        if not rows:
+            continue
+        w = weights.dequantize_experts(start, stop, x.dtype)
+        out.append(grouped_matmul(x[first : first + rows], w if transposed else w.transpose(1, 2), chunk))
+        del w  # before the next chunk is dequantized: one chunk at a time
+    features = weights.shape[1] if transposed else weights.shape[0]
+    return torch.cat(out) if out else x.new_zeros(0, features)
+
+
+class _NF4GroupedMatmul(torch.autograd.Function):
+    """`_nf4_grouped` with W constant, dequantized again in backward for the input gradient."""
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, weights: NF4ExpertWeights | NF4ExpertRows, e: int, transposed: bool
+        ctx, x: torch.Tensor, weights: NF4ExpertWeights | NF4ExpertRows, groups: ExpertGroups, transposed: bool
     ) -> torch.Tensor:
-        ctx.weights, ctx.e, ctx.transposed = weights, e, transposed
-        w = weights.dequantize(e, x.dtype)
-        return x @ w if transposed else F.linear(x, w)
+        ctx.weights, ctx.groups, ctx.transposed = weights, groups, transposed
+        return _nf4_grouped(x, weights, groups, transposed)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        w = ctx.weights.dequantize(ctx.e, grad.dtype)
-        return (grad @ w.t() if ctx.transposed else grad @ w), None, None, None
-
-
-def nf4_expert_matmul(
-    x: torch.Tensor, weights: NF4ExpertWeights | NF4ExpertRows, e: int, transposed: bool
-) -> torch.Tensor:
-    """The tokens routed to expert `e` through its frozen NF4 matrix; the op a grouped kernel replaces."""
-    return _NF4ExpertMatmul.apply(x, weights, e, transposed)
+        return _nf4_grouped(grad, ctx.weights, ctx.groups, not ctx.transposed), None, None, None
 
 
 def _swiglu_halves(act_fn: Callable[[torch.Tensor], torch.Tensor], gate_up: torch.Tensor) -> torch.Tensor:
@@ -297,42 +351,51 @@ class NF4Experts(nn.Module):
         """The projections that carry LoRA."""
         return [name for name in LORA_PROJECTIONS if hasattr(self, f"{name}_lora_A")]
 
-    def _project(self, x: torch.Tensor, name: str, e: int, loras: dict[str, tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        """One projection of expert `e`'s tokens: frozen NF4, + bias (gpt-oss), + LoRA."""
-        y = nf4_expert_matmul(x, getattr(self, name), e, self.transposed)
+    def _project(self, x: torch.Tensor, name: str, groups: ExpertGroups, experts: torch.Tensor) -> torch.Tensor:
+        """One projection of the rows sorted by expert (`experts`: each row's): frozen NF4, + bias (gpt-oss), + LoRA.
+
+        The LoRA factors are cast to the activation dtype for their grouped GEMMs, as the dense layers'
+        (`slimtune.kernels.lora_linear`); their gradients reach the float32 parameters through the casts.
+        """
+        y = _NF4GroupedMatmul.apply(x, getattr(self, name), groups, self.transposed)
         bias = getattr(self, f"{name}_bias")
         if bias is not None:
-            y = y + bias[e]
-        if name in loras:
-            lora_a, lora_b = loras[name]
-            delta = (self.lora_dropout(x).to(lora_a[e].dtype) @ lora_a[e].t()) @ lora_b[e].t()
-            y = y + (delta * self.lora_scale).to(y.dtype)
+            y = y + bias[experts]
+        if hasattr(self, f"{name}_lora_A"):
+            lora_a = getattr(self, f"{name}_lora_A").to(x.dtype).transpose(1, 2)  # [E, in, r]
+            lora_b = getattr(self, f"{name}_lora_B").to(x.dtype).transpose(1, 2)  # [E, r, out]
+            xa = grouped_matmul(self.lora_dropout(x), lora_a, groups)
+            y = y + grouped_matmul(xa, lora_b, groups) * self.lora_scale
         return y
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """transformers' eager experts loop (`Qwen3MoeExperts.forward`), same grouping and accumulation order, with
-        every expert's tokens found at once: one host sync per layer where `torch.where` per expert took one each
-        (128 per layer and pass at Qwen3-30B-A3B, stalling the queue behind each)."""
-        loras = {  # unbind once: indexing the stacked parameter per expert would backprop E full-size zeros
-            name: (getattr(self, f"{name}_lora_A").unbind(0), getattr(self, f"{name}_lora_B").unbind(0))
-            for name in self.lora_projections()
-        }
-        final_hidden_states = torch.zeros_like(hidden_states)
-        tokens = hidden_states.shape[0]
-        with torch.no_grad():  # every expert's (top-k slot, token) pairs in the order torch.where gives them
+        """transformers' experts (`Qwen3MoeExperts.forward`): each routed (token, slot) through its expert, weighted,
+        and each token's contributions added in expert order from zero as its per-expert `index_add_` adds them, so
+        that the output is bitwise transformers' eager one on the dequantized weights (on the CPU) and deterministic
+        on the GPU, where one `index_add_` of every row would race. One host sync per layer: the rows per expert."""
+        tokens, top_k = top_k_index.shape
+        with torch.no_grad():
             slots = top_k_index.t().reshape(-1)  # slot j = position * tokens + token
-            order = torch.argsort(slots, stable=True)
-            counts = torch.bincount(slots, minlength=self.num_experts + 1).tolist()  # the layer's one host sync
-        groups = zip(range(self.num_experts), (order // tokens).split(counts), (order % tokens).split(counts))
-        for expert_idx, top_k_pos, token_idx in groups:
-            if not counts[expert_idx]:
-                continue
-            hidden = self.gate_fn(self._project(hidden_states[token_idx], "gate_up", expert_idx, loras))
-            hidden = self._project(hidden, "down", expert_idx, loras)
-            hidden = hidden * top_k_weights[token_idx, top_k_pos, None]
-            final_hidden_states.index_add_(0, token_idx, hidden.to(final_hidden_states.dtype))
+            order = torch.argsort(slots, stable=True)  # rows sorted by expert, as torch.where lists each expert's
+            per_expert = torch.bincount(slots, minlength=self.num_experts)
+            counts = per_expert.tolist()  # the layer's one host sync
+            if len(counts) > self.num_experts:
+                raise ValueError(f"the router chose expert {len(counts) - 1}; the layer has {self.num_experts}")
+            groups = ExpertGroups(counts, per_expert.cumsum(0).to(torch.int32))
+            experts, token_idx, position = slots[order], order % tokens, order // tokens
+            row_of_slot = torch.empty_like(order)
+            row_of_slot[order] = torch.arange(order.numel(), device=order.device)
+            # [token, i]: the row of the token's i-th expert by index
+            rows = row_of_slot.view(top_k, tokens).t().gather(1, top_k_index.argsort(dim=1, stable=True))
+        x = hidden_states[token_idx]
+        hidden = self.gate_fn(self._project(x, "gate_up", groups, experts))
+        hidden = self._project(hidden, "down", groups, experts)
+        hidden = (hidden * top_k_weights[token_idx, position, None]).to(hidden_states.dtype)[rows]
+        final_hidden_states = torch.zeros_like(hidden_states)
+        for i in range(top_k):
+            final_hidden_states = final_hidden_states + hidden[:, i]
         return final_hidden_states
 
 

@@ -350,6 +350,14 @@ def estimate_train(
     else:
         raise ValueError(f"lora.gradient_checkpointing is {checkpointing!r}; use false, true, 'standard' or 'unsloth'")
 
+    if shape.experts:
+        from slimtune.kernels.nf4_experts import DEQUANT_CHUNK_BYTES
+
+        # The grouped expert matmuls dequantize a chunk of experts at a time, in forward, recompute and backward:
+        # gate_up's chunk (the wider) at most, twice while a checkpoint's separately stored gate and up are stacked.
+        per_expert = 2 * shape.hidden * shape.intermediate * compute_dtype_bytes
+        chunk = min(shape.experts, max(1, DEQUANT_CHUNK_BYTES // per_expert)) * per_expert
+        gpu["a chunk of experts dequantized (grouped matmul)"] = 2 * chunk
     if host_table:
         host["input embeddings (pinned)"] = host_table
     if "fused_linear_ce" in kernels:
