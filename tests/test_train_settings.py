@@ -248,13 +248,16 @@ def test_at_the_last_rung_a_retry_first_gives_up_the_stored_layers_and_graphs(tm
         resolve_train(bare, LLAMA_8B, "cuda", attempt=2)
 
 
-def test_a_mixture_of_experts_plans_no_cuda_graphs_and_says_why(tmp_path):
-    """Its layers are never captured (the host picks the experts: `graphs_refusal`), so the plan reserves no pool."""
-    from benchmarks.common import MODEL_SHAPES
-    from slimtune.models.experts import GRAPHS_REFUSAL
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_text", "gemma4_text"])
+def test_models_whose_layers_are_never_captured_plan_no_cuda_graphs_and_say_why(tmp_path, family):
+    """The runtime leaves their backward eager (`graphs_refusal`: experts picked on the host, document starts read
+    aside, key/value states shared between layers), so the plan reserves no pool and names that reason, from the
+    config as config.json has it and as the loaded model's config gives it."""
+    from slimtune.models.graph_replay import replay_refusal
+    from slimtune.models.tiny import build_model
 
-    shape = MODEL_SHAPES["qwen3_30b_a3b"]
-    moe = {"model_type": shape.family, **shape.config}
-    settings = resolve_train(_spec(tmp_path, micro_batch_size=1), moe, "cuda", fits=lambda est: True)
-    assert not settings.cuda_graphs and settings.graphs_off == GRAPHS_REFUSAL
+    cfg = build_model(family, 64).config.to_dict()
+    settings = resolve_train(_spec(tmp_path, micro_batch_size=1, stored_layers=0), cfg, "cuda", fits=lambda est: True)
+    assert not settings.cuda_graphs and settings.graphs_off == replay_refusal(cfg) is not None
+    assert settings.estimate == settings.base_estimate  # no graph pool in what the preflight holds to the budget
     assert resolve_train(_spec(tmp_path, micro_batch_size=1, stored_layers=0), LLAMA_8B, "cuda").cuda_graphs

@@ -25,11 +25,6 @@ FUSED_STORED = ("GptOssExperts",)
 PER_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<tail>.+)$")
 # each fused projection (`<block>.<name>_proj`) -> the stored projections it holds, in row order
 HELD = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
-# why CUDA graphs never capture an experts layer (`NF4Experts.forward` picks the experts on the host), which the
-# planner reads from the config and the runtime from the model (`slimtune.train.step.checkpointing.graphs_refusal`)
-GRAPHS_REFUSAL = (
-    "the host picks which experts to run from each batch's routing (mixture of experts); a replay would not"
-)
 
 
 class ExpertKey(NamedTuple):

@@ -17,7 +17,7 @@ from slimtune.kernels.apply import expected_kernels
 from slimtune.memory.downshift import DownshiftExhausted, TrainShift, downshift_train
 from slimtune.memory.estimate import Estimate
 from slimtune.memory.model_shape import model_shape
-from slimtune.models.experts import GRAPHS_REFUSAL
+from slimtune.models.graph_replay import replay_refusal
 from slimtune.plan.fit import auto_micro_batch, train_estimate
 from slimtune.spec.schema import PipelineSpec, TrainSpec
 from slimtune.train.step.attention import varlen_expected
@@ -145,14 +145,14 @@ def resolve_train(
     estimate = functools.partial(train_estimate, spec, cfg, shift.micro_batch, shift.checkpointing, device_type)
     # CUDA graphs of the layers' backward hold a recomputed layer in a pool of their own: an extra, used only on
     # the first attempt and where the estimate with them fits
-    moe = bool(model_shape(cfg).experts)  # never captured (GRAPHS_REFUSAL): their pool is not planned for
-    graphs = train.cuda_graphs and attempt == 1 and not moe and fits(estimate(cuda_graphs=True))
+    refusal = replay_refusal(cfg)  # layers the runtime never captures: their pool is not planned for
+    graphs = train.cuda_graphs and attempt == 1 and refusal is None and fits(estimate(cuda_graphs=True))
     graphs_off = None
     if train.cuda_graphs and not graphs:
         if attempt > 1:
             graphs_off = "a retry after running out of memory"
-        elif moe:
-            graphs_off = GRAPHS_REFUSAL
+        elif refusal is not None:
+            graphs_off = refusal
         else:
             graphs_off = "the estimate with them exceeds the budget"
     stored, stored_note = _stored_layers(spec, cfg, device_type, attempt, shift.checkpointing, graphs, fits, estimate)

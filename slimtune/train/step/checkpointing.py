@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from slimtune.memory.clean import drop_cublas_workspaces
-from slimtune.models.experts import GRAPHS_REFUSAL
+from slimtune.models.graph_replay import replay_refusal
 from slimtune.train.step.layer_graphs import LayerGraphs
 from slimtune.train.step.offload import ActivationOffloader, OffloadStats
 
@@ -316,21 +316,14 @@ def _patched(model: nn.Module) -> list[tuple[_CheckpointedForward, nn.Module]]:
 
 def graphs_refusal(model: nn.Module) -> str | None:
     """Why `graphed_backward` would leave `model`'s layers eager, or None when it graphs them."""
-    from slimtune.kernels.nf4_experts import NF4Experts  # imports bitsandbytes, which only MoE models need here
-
     patched = _patched(model)
     if not patched or any(f.mode != "unsloth" for f, _ in patched):
         return 'only layers under "unsloth" checkpointing are captured'
     layers = [layer for _, layer in patched]
     config = getattr(model, "config", None)
-    if hasattr(config, "num_kv_shared_layers"):  # the layers' `shared_kv_states` argument
-        return "the layers hand key/value states to later ones in a shared dict (Gemma 4); a replay would not fill it"
-    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
-        return (
-            "the linear-attention layers read each batch's document starts outside their arguments; a replay would not"
-        )
-    if any(isinstance(m, NF4Experts) for layer in layers for m in layer.modules()):
-        return GRAPHS_REFUSAL
+    refusal = replay_refusal(config.to_dict()) if config is not None else None
+    if refusal is not None:
+        return refusal
     device = next((p.device for layer in layers for p in layer.parameters()), torch.device("cpu"))
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
