@@ -105,7 +105,9 @@ def crash_downshift(parameters: dict) -> dict | None:
 
     One step of the retry ladder's rule (`next_train_shift`), so the effective batch, and with it the
     resume fingerprint, is unchanged: training resumes from the last complete checkpoint of the same run
-    directory. With nothing left to shift (micro-batch 1, offloaded) the run is re-submitted unchanged.
+    directory. With nothing left to shift (micro-batch 1, offloaded) the run is re-submitted unchanged. The retry
+    ladder's last rung (`resolve_train`: drop stored layers and CUDA graphs) has no counterpart here: those hold
+    GPU memory, and storing layers keeps their inputs off the host, so giving them up would not relieve the host.
     """
     raw = parameters.get("spec")
     spec = PipelineSpec.model_validate(raw if raw is not None else {})
