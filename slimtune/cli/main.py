@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     (imports and pre-run checks included), 1 for anything else; `--debug` shows the traceback instead.
     """
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    # A script's background job (`slimtune run spec.yaml &`) starts with SIGINT ignored, and Python then leaves it
+    # ignored; `slimtune run` handles it once the flow starts (slimtune.cli.interrupt), so the checks before do too.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return _command(_parser().parse_args(argv))
     except KeyboardInterrupt:
