@@ -150,13 +150,15 @@ def _has_loaded(pid: int, library: str) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
-@pytest.mark.parametrize("command", ["validate", "run"])
+# "background": started as a script's `slimtune validate spec.yaml &` is, with SIGINT ignored (non-interactive shells
+# start background jobs that way), which Python would leave ignored
+@pytest.mark.parametrize("command, sigint", [("validate", "default"), ("run", "default"), ("validate", "background")])
 @pytest.mark.fault(
     "Ctrl-C during the pre-run checks",
     stage="cli",
     expect="exit 130 with one line; no traceback",
 )
-def test_ctrl_c_during_the_checks(tmp_path, command, observe):
+def test_ctrl_c_during_the_checks(tmp_path, command, sigint, observe):
     from slimtune.models.tiny import save_tiny
 
     model = save_tiny(tmp_path / "model", "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
@@ -168,6 +170,8 @@ def test_ctrl_c_during_the_checks(tmp_path, command, observe):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
+        # a terminal job gets SIGINT's default whatever this process has (pytest run in a background job ignores it)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "background" else signal.SIG_DFL),
     )
     try:
         # torch is first imported by the checks (the device check), which then build the model on the meta
