@@ -184,11 +184,11 @@ class ExpertGroups(NamedTuple):
 
 
 def _grouped_mm_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes these operands: one dtype and every stride a multiple of 16 bytes (LoRA
-    ranks and widths that are not, e.g. r=4 in bf16, run a GEMM per expert)."""
+    """Whether torch's grouped GEMM takes these operands (`a` row-major): one dtype and every stride a multiple of 16
+    bytes (LoRA ranks and widths that are not, e.g. r=4 in bf16, run a GEMM per expert)."""
     size = a.element_size()
     strides = (a.stride(0), *b.stride(), b.shape[-1])
-    return a.dtype == b.dtype and all(s == 1 or s * size % 16 == 0 for s in strides) and a.stride(1) == 1
+    return a.dtype == b.dtype and all(s == 1 or s * size % 16 == 0 for s in strides)
 
 
 def grouped_matmul(a: torch.Tensor, b: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:

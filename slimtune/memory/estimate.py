@@ -354,7 +354,8 @@ def estimate_train(
         from slimtune.kernels.nf4_experts import DEQUANT_CHUNK_BYTES
 
         # The grouped expert matmuls dequantize a chunk of experts at a time, in forward, recompute and backward:
-        # gate_up's chunk (the wider) at most, twice while a checkpoint's separately stored gate and up are stacked.
+        # gate_up's chunk (the wider) at most, twice while Qwen3-MoE's separately stored gate and up are stacked
+        # (gpt-oss's fused gate_up needs it once: counted twice there too, 256 MiB on the safe side, not measured).
         per_expert = 2 * shape.hidden * shape.intermediate * compute_dtype_bytes
         chunk = min(shape.experts, max(1, DEQUANT_CHUNK_BYTES // per_expert)) * per_expert
         gpu["a chunk of experts dequantized (grouped matmul)"] = 2 * chunk
