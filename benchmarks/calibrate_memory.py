@@ -9,8 +9,8 @@ Two modes, both through the device tool (see benchmarks/README.md, "Memory calib
   workspaces included), host RSS and anonymous RSS.
 - e2e (`--e2e 6:1:unsloth,16:4:unsloth`): `slimtune run SPEC` as a user runs it, preflight on, under
   `guard.gpu_memory_fraction = BUDGET GiB / device total`; the per-stage guard records come back. Each item is
-  BUDGET_GIB:MICRO_BATCH:CHECKPOINTING, then optionally `merge` and `stored=N` (`train.stored_layers`; auto
-  when not given).
+  BUDGET_GIB:MICRO_BATCH:CHECKPOINTING, then optionally `merge` (f16 GGUF), `stored=N` (`train.stored_layers`;
+  auto when not given) and `r=N` (LoRA rank and alpha; 16 when not given).
 
 The models are random bf16 weights saved as safetensors (5 GB shards, as on the Hub), built in their own
 process so the measuring processes start with an empty GPU. Results are appended after every cell, so a
@@ -214,6 +214,7 @@ def _e2e(
     timeout: float,
     steps: int = 3,
     stored: int | str = "auto",
+    rank: int = 16,
 ) -> dict:
     """`slimtune run` on the 8B shape under a budget, preflight on; the guard records per stage."""
     import torch
@@ -223,9 +224,10 @@ def _e2e(
         f"e2e-8b-{budget_gib:g}gib-mb{mb}"
         + ("-merge" if merge else "")
         + ("" if stored == "auto" else f"-stored{stored}")
+        + ("" if rank == 16 else f"-r{rank}")
     )
     raw = _base_spec(root / "model-8b", root / "calib.jsonl", root / "runs", name)
-    raw["lora"]["gradient_checkpointing"] = ckpt
+    raw["lora"].update(gradient_checkpointing=ckpt, r=rank, alpha=rank)
     raw["train"].update(micro_batch_size=mb, max_steps=steps, stored_layers=stored)
     raw["merge"] = {"enabled": merge}
     raw["export"] = {"gguf": ["f16"] if merge else [], "verify": False}
@@ -242,6 +244,7 @@ def _e2e(
     report = run_dir / "train_report.json"
     train = json.loads(report.read_text()) if report.is_file() else {}
     (out / f"{name}.log").write_text(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-40000:])
+    gguf = {str(p.relative_to(run_dir)): p.stat().st_size for p in run_dir.rglob("*.gguf")}
     shutil.rmtree(run_dir, ignore_errors=True)  # a merged 8B and its GGUF are 30 GB: the next run needs the disk
     return {
         "run": name,
@@ -262,6 +265,9 @@ def _e2e(
         "tok_s": [int(m) for m in re.findall(r"tok/s (\d+)", proc.stdout + proc.stderr)],
         "cuda_graphs": next((ln.split(" - ")[-1] for ln in log_lines if "CUDA graphs" in ln), None),
         "stored_layers": next((ln.split(" - ")[-1] for ln in log_lines if "stored layers auto" in ln), None),
+        "lm_head": next((ln.split(" - ")[-1] for ln in log_lines if "lm_head in pinned host memory" in ln), None),
+        "lora_r": rank,
+        "gguf_files": gguf,  # what the export wrote (bytes), before the run folder was removed
         "last_line": (proc.stderr.strip().splitlines() or [""])[-1] if proc.returncode else proc.stdout.strip()[-200:],
     }
 
@@ -358,6 +364,7 @@ def main() -> int:
     for item in filter(None, args.e2e.split(",")):
         budget, mb, ckpt, *flags = item.split(":")
         stored = next((f.removeprefix("stored=") for f in flags if f.startswith("stored=")), "auto")
+        rank = int(next((f.removeprefix("r=") for f in flags if f.startswith("r=")), 16))
         left = deadline - time.time()
         if left < 60:
             e2e.append({"run": item, "outcome": "not run (time budget)"})
@@ -366,7 +373,7 @@ def main() -> int:
             size = mb if mb == "auto" else int(mb)
             stored_n = stored if stored == "auto" else int(stored)
             merge = "merge" in flags
-            e2e.append(_e2e(root, float(budget), size, ckpt, merge, out, left - 15, args.e2e_steps, stored_n))
+            e2e.append(_e2e(root, float(budget), size, ckpt, merge, out, left - 15, args.e2e_steps, stored_n, rank))
         except subprocess.TimeoutExpired as exc:
             e2e.append({"run": item, "outcome": "stopped at the time budget"})
             log = [x.decode() if isinstance(x, bytes) else x or "" for x in (exc.stdout, exc.stderr)]

@@ -236,8 +236,9 @@ def test_fsdp_ranks_leave_out_what_fsdp1_cannot_train_through():
     from slimtune.spec.schema import TrainSpec
 
     fsdp, ddp, one = TrainSpec(num_gpus=2, parallelism="fsdp"), TrainSpec(num_gpus=2), TrainSpec()
-    assert set(excluded_kernels(fsdp)) == {"lora_nf4", "host_embedding"}
-    assert set(excluded_kernels(ddp)) == {"host_embedding"} and excluded_kernels(one) == {}
+    assert set(excluded_kernels(fsdp)) == {"lora_nf4", "host_embedding", "host_lm_head"}
+    assert set(excluded_kernels(ddp)) == {"host_embedding", "host_lm_head"} == set(excluded_kernels(ddp, True))
+    assert set(excluded_kernels(one)) == {"host_lm_head"} and excluded_kernels(one, head_on_host=True) == {}
     assert rank_checkpointing(fsdp, "unsloth") is True and rank_checkpointing(fsdp, False) is False
     assert rank_checkpointing(ddp, "unsloth") == "unsloth" == rank_checkpointing(one, "unsloth")
 

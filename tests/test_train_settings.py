@@ -222,10 +222,11 @@ def test_fsdp_ranks_run_standard_checkpointing_without_the_kernels_fsdp_breaks(t
     spec = _spec(tmp_path, num_gpus=2, parallelism="fsdp")
     settings = resolve_train(spec, LLAMA_8B, "cuda")
     assert settings.checkpointing is True  # "unsloth" is not offered under FSDP
-    assert set(settings.kernels_excluded) == {"lora_nf4", "host_embedding"}
+    assert set(settings.kernels_excluded) == {"lora_nf4", "host_embedding", "host_lm_head"}
     assert not set(settings.kernels) & set(settings.kernels_excluded)
     one = resolve_train(_spec(tmp_path), LLAMA_8B, "cuda")
-    assert one.checkpointing == "unsloth" and one.kernels_excluded == {} and "lora_nf4" in one.kernels
+    assert one.checkpointing == "unsloth" and set(one.kernels_excluded) == {"host_lm_head"}  # no card: head on GPU
+    assert "lora_nf4" in one.kernels
 
 
 def test_at_the_last_rung_a_retry_first_gives_up_the_stored_layers_and_graphs(tmp_path):
@@ -261,3 +262,41 @@ def test_models_whose_layers_are_never_captured_plan_no_cuda_graphs_and_say_why(
     assert not settings.cuda_graphs and settings.graphs_off == replay_refusal(cfg) is not None
     assert settings.estimate == settings.base_estimate  # no graph pool in what the preflight holds to the budget
     assert resolve_train(_spec(tmp_path, micro_batch_size=1, stored_layers=0), LLAMA_8B, "cuda").cuda_graphs
+
+
+def test_the_lm_head_goes_to_host_memory_only_where_micro_batch_1_does_not_fit_the_card(tmp_path):
+    """8B at r=16: micro-batch 1 needs 7.26 GiB with the head on the GPU. On a 6 GiB card the head is streamed from
+    host memory (its 0.98 GiB off the estimate, onto the host's), on 8 GiB and without a GPU it stays; and the
+    planner's load_4bit reads both tables into host memory then."""
+    from slimtune.plan.train_settings import HEAD_ON_GPU, head_on_host
+
+    spec = _spec(tmp_path, micro_batch_size=1, gradient_accumulation_steps=8, stored_layers=0)
+    on_gpu = train_estimate(spec, LLAMA_8B, 1, "unsloth", "cuda")
+    head = LLAMA_8B["vocab_size"] * LLAMA_8B["hidden_size"] * 2
+    small, large = int(6 * 2**30), int(8 * 2**30)
+    assert small < on_gpu.gpu_bytes < large
+
+    streamed = resolve_train(spec, LLAMA_8B, "cuda", card=small)
+    assert "host_lm_head" in streamed.kernels and "host_lm_head" not in streamed.kernels_excluded
+    assert "7.26 GiB with it on the GPU, more than the 6.00 GiB card" in streamed.head_note
+    gpu, host = streamed.base_estimate.breakdown, streamed.base_estimate.breakdown
+    assert gpu["gpu: embeddings and lm_head"] == 0 and host["host: lm_head (pinned)"] == head
+    assert on_gpu.gpu_bytes - streamed.base_estimate.gpu_bytes > 0.9 * head  # the loss's chunks cost the rest
+
+    for card in (large, None):
+        kept = resolve_train(spec, LLAMA_8B, "cuda", card=card)
+        assert "host_lm_head" not in kept.kernels and kept.kernels_excluded["host_lm_head"] == HEAD_ON_GPU
+        assert kept.head_note is None and kept.base_estimate == on_gpu
+    # a trained head, a tied one, and several ranks keep it where peft and DDP want it
+    trained = _spec(tmp_path, lora={"train_embeddings": True}, micro_batch_size=1)
+    assert not head_on_host(trained, LLAMA_8B, "cuda", small)
+    assert not head_on_host(spec, {**LLAMA_8B, "tie_word_embeddings": True}, "cuda", small)
+    ddp = _spec(tmp_path, micro_batch_size=1, num_gpus=2)
+    assert not head_on_host(ddp, LLAMA_8B, "cuda", small)
+
+    # r=8: micro-batch 1 fits 6 GiB only with the head in host memory (the calibrated context, 1.30 GiB, counted)
+    r8 = _spec(tmp_path, lora={"r": 8}, micro_batch_size=1, gradient_accumulation_steps=8, stored_layers=0)
+    rows, limits = plan(r8, LLAMA_8B, Budget(gpu_total=small, gpu_fraction=None, host=None))
+    load = next(r.estimate for r in rows if r.stage == "load_4bit")
+    assert load.breakdown["gpu: embeddings and lm_head"] == 0 and limits["extras"].head_note
+    assert limits["largest_micro_batch"] == 1 and limits["largest_seq_len"] >= 2048  # with the head where it will be

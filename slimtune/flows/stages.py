@@ -33,7 +33,7 @@ from slimtune.memory import (
 from slimtune.memory.guard import gpu_shortfalls
 from slimtune.plan.fit import DTYPE_BYTES
 from slimtune.plan.run_plan import RunPlan
-from slimtune.plan.train_settings import resolve_train
+from slimtune.plan.train_settings import card_bytes, resolve_train
 from slimtune.report.charts import publish_memory_chart
 from slimtune.report.memory_report import publish_task_report
 from slimtune.spec.schema import STAGES, PipelineSpec
@@ -41,7 +41,7 @@ from slimtune.tasks.attach_lora import attach_lora
 from slimtune.tasks.cleanup import cleanup
 from slimtune.tasks.dequant_merge import dequant_merge
 from slimtune.tasks.gguf_convert_and_push import gguf_convert_and_push
-from slimtune.tasks.load_4bit import load_4bit
+from slimtune.tasks.load_4bit import load_4bit, tables_on_host
 from slimtune.tasks.packed_sft import packed_sft
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,9 @@ def load_4bit_task(spec: PipelineSpec, plan: RunPlan) -> dict:
     """Load the base model in NF4; the model stays in the process registry."""
 
     def here() -> dict:
-        est = estimate_load_4bit(plan.config, compute_dtype_bytes=plan.dtype.itemsize)
+        est = estimate_load_4bit(
+            plan.config, compute_dtype_bytes=plan.dtype.itemsize, host_tables=tables_on_host(spec, plan)
+        )
         with _guard("load_4bit", spec, plan, est):
             return load_4bit(spec, plan).to_dict()
 
@@ -132,7 +134,12 @@ def packed_sft_task(
 ) -> dict:
     """Train; each out-of-memory retry halves the micro-batch (doubling accumulation), then offloads."""
     train = resolve_train(
-        spec, plan.config, plan.torch_device.type, attempt=current_attempt(), fits=lambda est: gpu_fits(est, spec, plan)
+        spec,
+        plan.config,
+        plan.torch_device.type,
+        attempt=current_attempt(),
+        fits=lambda est: gpu_fits(est, spec, plan),
+        card=card_bytes(spec, plan.torch_device),
     )
     if train.auto_note:
         log.warning("packed_sft %s", train.auto_note)
@@ -142,6 +149,8 @@ def packed_sft_task(
         log.warning("packed_sft: CUDA graphs of the layers' backward off: %s", train.graphs_off)
     if train.stored_note:
         log.warning("packed_sft stored layers %s", train.stored_note)
+    if train.head_note:
+        log.warning("packed_sft: %s", train.head_note)
     batch = {
         "micro_batch_size": train.micro_batch,
         "gradient_accumulation_steps": train.grad_accum,

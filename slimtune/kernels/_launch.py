@@ -82,3 +82,10 @@ def apply_or_forward(fn: type[torch.autograd.Function], *args: Any) -> Any:
     if torch.is_grad_enabled():
         return fn.apply(*args)
     return fn.forward(_NoGraph(), *args)
+
+
+def compute_device(model: torch.nn.Module) -> torch.device:
+    """The device `model` computes on: its first parameter's that is off the host, else the first's. The tables that
+    `host_embedding` and `host_lm_head` keep (or load_4bit loads) in pinned host memory are not where it computes."""
+    params = list(model.parameters())
+    return next((p.device for p in params if p.device.type != "cpu"), params[0].device)

@@ -31,7 +31,7 @@ import torch
 
 from slimtune.models.families import FAMILIES, KERNEL_NAMES
 
-from ._launch import interpreter_on
+from ._launch import compute_device, interpreter_on
 from .instance_patch import KernelPatch
 from .lora_nf4_patch import no_checkpoint_pass, patch_lora_nf4
 from .patchers import PATCHERS
@@ -111,7 +111,7 @@ def apply_kernels(
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     family = getattr(config, "model_type", None)
-    device_type = next(model.parameters()).device.type
+    device_type = compute_device(model).type
     names, why_none = _resolve(selection, device_type, family)
     patch = KernelPatch()
     if why_none:

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._launch import check_device
+from .host_lm_head import host_head_cross_entropy
 
 # 512 tokens x 128256 vocab in bf16. At 1B batch 1 the chunk is the step's memory peak: half the earlier 256 MiB
 # took it from 1.51 to 1.45 GiB (Unsloth: 1.47). Smaller chunks cost time: forward + backward at 8B's hidden size
@@ -140,12 +141,15 @@ def fused_linear_cross_entropy(
 
     Args:
         hidden: [..., H] final hidden states, aligned with `labels` (position i predicts labels[i]).
-        weight: [V, H] lm_head weight.
+        weight: [V, H] lm_head weight; a frozen one in host memory (the `host_lm_head` kernel) is streamed to the
+            hidden states' GPU in vocabulary chunks (`host_lm_head.host_head_cross_entropy`).
         labels: [...] target ids; `ignore_index` marks prompt/padding tokens (completion-only masks).
         chunk_tokens: tokens per chunk; default from free GPU memory (see `chunk_tokens_for`).
         num_items_in_batch: divisor for the summed loss (gradient accumulation); default the number
             of supervised tokens.
     """
+    if weight.device != hidden.device:
+        return host_head_cross_entropy(hidden, weight, labels, ignore_index, num_items_in_batch)
     return _FusedLinearCEFn.apply(
         hidden, weight, labels, ignore_index, chunk_tokens, num_items_in_batch, torch.is_grad_enabled()
     )

@@ -14,6 +14,7 @@ import torch
 
 from slimtune.models.families import FAMILIES
 
+from ._launch import compute_device
 from .instance_patch import KernelPatch, replace_forward
 from .lora_nf4_patch import patch_lora_nf4
 
@@ -216,13 +217,13 @@ def _patch_host_embedding(base: torch.nn.Module, family: str, patch: KernelPatch
     head = base.get_output_embeddings()
     if head is not None and head.weight.data_ptr() == emb.weight.data_ptr():
         return "the input embeddings are tied to the output head, which reads them on the GPU"
-    gpu = emb.weight.device
+    gpu = compute_device(base)
     try:
-        host = to_host(emb.weight.detach())
+        host = emb.weight.detach() if emb.weight.is_pinned() else to_host(emb.weight.detach())
         # A probe before the GPU copy goes: pinned memory may be refused (locked-memory limits), or the
         # GPU may not reach it (no unified addressing); either way the table then stays where it is.
         probe = gather_rows(host, torch.zeros(1, dtype=torch.long, device=gpu))
-        if not torch.equal(probe[0], emb.weight[0].detach()):
+        if not torch.equal(probe[0], emb.weight[0].detach().to(gpu)):  # the table may have been loaded on the host
             return "the GPU read a different row 0 from the host table than the model has"
     except Exception as err:
         return f"host table not usable from {gpu}: {type(err).__name__}: {str(err).splitlines()[0]}"
@@ -240,6 +241,39 @@ def _patch_host_embedding(base: torch.nn.Module, family: str, patch: KernelPatch
     return 1
 
 
+def _patch_host_lm_head(base: torch.nn.Module, family: str, patch: KernelPatch) -> int | str:
+    from .host_embedding import to_host
+    from .host_lm_head import host_head_logits
+
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return f"lm_head is {type(head).__name__} (needs a bias-free torch.nn.Linear)"
+    if head.weight.requires_grad:
+        return "lm_head is trained (lora.train_embeddings)"
+    emb = base.get_input_embeddings()
+    if emb is not None and head.weight.data_ptr() == emb.weight.data_ptr():
+        return "lm_head is tied to the input embeddings"
+    gpu = compute_device(base)
+    if gpu.type != "cuda":
+        return f"the model is on {gpu}: there is no GPU memory to spare"
+    try:
+        host = head.weight.detach() if head.weight.is_pinned() else to_host(head.weight.detach())
+    except Exception as err:  # pinned memory refused (locked-memory limits): the head stays where it is
+        return f"no pinned host memory for the head: {type(err).__name__}: {str(err).splitlines()[0]}"
+    head.weight = torch.nn.Parameter(host, requires_grad=False)  # the GPU copy is freed here
+
+    def impl(mod, original, hidden):
+        return host_head_logits(hidden, mod.weight)
+
+    replace_forward(head, impl, patch)
+
+    def back_to_device() -> None:
+        head.weight = torch.nn.Parameter(head.weight.detach().to(gpu), requires_grad=False)
+
+    patch.on_undo(back_to_device)
+    return 1
+
+
 PATCHERS: dict[str, Callable[[torch.nn.Module, str, KernelPatch], int | str]] = {
     "rms_norm": _patch_rms_norm,
     "rope": _patch_rope,
@@ -248,4 +282,5 @@ PATCHERS: dict[str, Callable[[torch.nn.Module, str, KernelPatch], int | str]] = 
     "fused_linear_ce": _patch_fused_ce,
     "lora_nf4": patch_lora_nf4,
     "host_embedding": _patch_host_embedding,
+    "host_lm_head": _patch_host_lm_head,
 }

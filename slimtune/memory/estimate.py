@@ -167,8 +167,13 @@ def _estimate(
     )
 
 
-def estimate_load_4bit(cfg: dict[str, Any], compute_dtype_bytes: int, *, double_quant: bool = True) -> Estimate:
+def estimate_load_4bit(
+    cfg: dict[str, Any], compute_dtype_bytes: int, *, double_quant: bool = True, host_tables: bool = False
+) -> Estimate:
     """Memory to hold the model in NF4 with 16-bit embeddings, lm_head and norms.
+
+    `host_tables`: the untied input table and lm_head are read straight into pinned host memory
+    (`slimtune.tasks.load_tables`, where training streams the head).
 
     Llama-3.1-8B: 224 linears of 6.98e9 weights at 0.516 bytes (3.60 GB) plus 2 x 1.05 GB of
     bf16 embeddings/lm_head = 5.7 GB. Loading quantises one tensor at a time on the GPU, so the
@@ -199,6 +204,10 @@ def estimate_load_4bit(cfg: dict[str, Any], compute_dtype_bytes: int, *, double_
         gpu["load transient (quantizing a chunk of experts)"] = 18 * chunk
     gpu[_CONTEXT_TERM] = _LOAD_CONTEXT_BYTES
     host = {"process (anonymous memory; shards are mapped)": _LOAD_HOST_BYTES}
+    if host_tables and not shape.tied:
+        tables, gpu["embeddings and lm_head"] = gpu["embeddings and lm_head"], 0
+        # pinned, and each table is read through an unpinned buffer of its size before the copy
+        host["input table and lm_head (pinned) and one table read"] = tables + tables // 2
     fields = {
         "gpu": "model.name (a smaller model) or the budget fraction",
         "host": "host memory (a larger machine)",
@@ -294,10 +303,12 @@ def estimate_train(
         gpu["gathered root unit (FSDP: embeddings and lm_head)"] = unsharded["embeddings and lm_head"]
     # attach_lora moved the frozen input table to pinned host memory and training leaves it there (8B:
     # allocated 5.32 -> 4.49 GiB at attach, measured); resident is what stays on the GPU.
-    host_table = 0
+    host_table = host_head = 0
     if "host_embedding" in kernels and not shape.tied:
         host_table = shape.vocab * shape.hidden * compute_dtype_bytes
-    gpu["embeddings and lm_head"] -= host_table
+    if "host_lm_head" in kernels and "fused_linear_ce" in kernels and not shape.tied:
+        host_head = shape.vocab * shape.hidden * compute_dtype_bytes  # streamed from pinned host memory by the loss
+    gpu["embeddings and lm_head"] -= host_table + host_head
     resident = sum(gpu.values())
     targets = _targets(shape, target_modules)
     lora = sum(
@@ -361,7 +372,15 @@ def estimate_train(
         gpu["a chunk of experts dequantized (grouped matmul)"] = 2 * chunk
     if host_table:
         host["input embeddings (pinned)"] = host_table
-    if "fused_linear_ce" in kernels:
+    if host_head:
+        from slimtune.kernels.host_lm_head import head_chunk_rows
+
+        host["lm_head (pinned)"] = host_head
+        # Two chunks of the head (one computing, one arriving), one chunk of logits, and per token and hidden unit
+        # the float32 d(hidden) accumulator and three 16-bit buffers: a chunk's product, the label rows, the gradient.
+        rows = head_chunk_rows(tokens, shape.vocab, shape.hidden, compute_dtype_bytes)
+        loss = (2 * shape.hidden + tokens) * rows * compute_dtype_bytes + tokens * shape.hidden * (4 + 3 * 2)
+    elif "fused_linear_ce" in kernels:
         # One chunk of logits (the kernel's cap) and the float32 gradient of the last hidden state. Imported here:
         # the kernel module imports Triton, which an estimate without that kernel never needs.
         from slimtune.kernels.fused_linear_ce import CHUNK_BYTES_CAP

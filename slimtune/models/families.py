@@ -40,9 +40,22 @@ from slimtune.models.multimodal import LAYOUTS, layout_of, layout_problem, text_
 
 # The Triton kernels of slimtune.kernels (defined here so that the spec can validate names without
 # importing torch): each family says, per kernel, either that it applies or why that part stays eager.
-KERNEL_NAMES: tuple[str, ...] = ("rms_norm", "rope", "swiglu", "geglu", "fused_linear_ce", "lora_nf4", "host_embedding")
+KERNEL_NAMES: tuple[str, ...] = (
+    "rms_norm",
+    "rope",
+    "swiglu",
+    "geglu",
+    "fused_linear_ce",
+    "lora_nf4",
+    "host_embedding",
+    "host_lm_head",
+)
 _NOT_SILU = "the MLP activation is GELU (geglu applies)"
 _NOT_GELU = "the MLP activation is SiLU (swiglu applies)"
+# host_lm_head goes to host memory with the input table (both loaded there: `slimtune.tasks.load_tables`), and only
+# the fused loss streams it
+_HEAD_NEEDS_FUSED_LOSS = "the loss stays eager here (fused_linear_ce), and only the fused loss streams the head"
+_HEAD_WITH_TABLE = "the input table stays on the GPU here (host_embedding), and the head goes to host memory with it"
 _FUSED_GATE_UP = "gate and up are one fused gate_up_proj; the gated kernels need separate projections"
 
 
@@ -96,8 +109,8 @@ class Family:
         return gguf.MODEL_ARCH_NAMES[self.gguf_arch]
 
 
-_LLAMA_KERNELS = ("rms_norm", "rope", "swiglu", "fused_linear_ce", "lora_nf4", "host_embedding")
-_GEMMA_KERNELS = ("rms_norm", "rope", "geglu", "fused_linear_ce", "lora_nf4", "host_embedding")
+_LLAMA_KERNELS = ("rms_norm", "rope", "swiglu", "fused_linear_ce", "lora_nf4", "host_embedding", "host_lm_head")
+_GEMMA_KERNELS = ("rms_norm", "rope", "geglu", "fused_linear_ce", "lora_nf4", "host_embedding", "host_lm_head")
 _DELTANET = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")  # Gated DeltaNet in/out projections
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -166,7 +179,7 @@ _ROWS = (
             "mlp_only_layers": [],
             "norm_topk_prob": True,  # as the released checkpoints; llama.cpp always renormalizes the top-k weights
         },
-        kernels=("rms_norm", "rope", "fused_linear_ce", "lora_nf4", "host_embedding"),
+        kernels=("rms_norm", "rope", "fused_linear_ce", "lora_nf4", "host_embedding", "host_lm_head"),
         eager={
             "swiglu": "the experts' gate and up are one 3-D tensor per layer, run by slimtune.kernels.nf4_experts",
             "geglu": _NOT_GELU,
@@ -196,7 +209,7 @@ _ROWS = (
             "sliding_window": 16,
             "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
         },
-        kernels=("fused_linear_ce", "lora_nf4", "host_embedding"),
+        kernels=("fused_linear_ce", "lora_nf4", "host_embedding", "host_lm_head"),
         eager={
             "rms_norm": "the norms multiply by the weight before casting back (kept in fp32)",
             "rope": "attention adds learned sinks (s_aux), which the patched attention forward does not pass on",
@@ -232,7 +245,7 @@ _ROWS = (
             "linear_value_head_dim": 64,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         },
-        kernels=("swiglu", "fused_linear_ce", "lora_nf4", "host_embedding"),
+        kernels=("swiglu", "fused_linear_ce", "lora_nf4", "host_embedding", "host_lm_head"),
         eager={
             "rms_norm": "the DeltaNet's output norm is gated (Qwen3_5RMSNormGated), which the kernel does not do",
             "rope": "a quarter of each head rotates, and q_proj carries the output gate beside the queries",
@@ -284,6 +297,7 @@ _ROWS = (
             "swiglu": _NOT_SILU,
             "rope": "attention soft-capping: the kernel's attention path does not pass softcap on",
             "fused_linear_ce": "final logit soft-capping: the fused loss has no softcap",
+            "host_lm_head": _HEAD_NEEDS_FUSED_LOSS,
         },
         layer_output=None,
         norm_offset=1.0,
@@ -314,6 +328,7 @@ _ROWS = (
         eager={
             "swiglu": _NOT_SILU,
             "host_embedding": "the input embedding is a scaled subclass (Gemma3TextScaledWordEmbedding)",
+            "host_lm_head": _HEAD_WITH_TABLE,
         },
         layer_output=None,
         norm_offset=1.0,
@@ -348,6 +363,7 @@ _ROWS = (
             "rope": "attention normalises v, shares KV across layers and rotates part of the global heads",
             "swiglu": _NOT_SILU,
             "host_embedding": "the input embedding is a scaled subclass (Gemma4TextScaledWordEmbedding)",
+            "host_lm_head": _HEAD_WITH_TABLE,
         },
         frozen_linears=("per_layer_input_gate", "per_layer_projection"),
         layer_output=None,
@@ -367,7 +383,7 @@ _ROWS = (
         "Phi3Config",
         # Phi-4-mini's partial rotary (3/4 of each head rotates); Phi-3's 2047-token window, which llama.cpp ignores
         tiny={"partial_rotary_factor": 0.75, "sliding_window": 2047, "rms_norm_eps": 1e-5},
-        kernels=("rms_norm", "fused_linear_ce", "lora_nf4", "host_embedding"),
+        kernels=("rms_norm", "fused_linear_ce", "lora_nf4", "host_embedding", "host_lm_head"),
         eager={
             "rope": "q, k and v come from one fused qkv_proj",
             "swiglu": _FUSED_GATE_UP,
@@ -398,6 +414,7 @@ _ROWS = (
         eager={
             "geglu": _NOT_GELU,
             "fused_linear_ce": "logits are divided by logits_scaling; the fused loss has no logit scale",
+            "host_lm_head": _HEAD_NEEDS_FUSED_LOSS,
         },
         tied_default=True,
         permute_qk=True,  # llama.cpp's granite uses LLAMA-style rope
@@ -428,7 +445,7 @@ _ROWS = (
         "Olmo2ForCausalLM",
         "Olmo2Config",
         tiny={},
-        kernels=("swiglu", "fused_linear_ce", "lora_nf4", "host_embedding"),
+        kernels=("swiglu", "fused_linear_ce", "lora_nf4", "host_embedding", "host_lm_head"),
         eager={
             "rms_norm": "OLMo 2 multiplies by the weight before casting back; the kernel casts first",
             "rope": "q_norm and k_norm normalise the whole projection before the heads are split",

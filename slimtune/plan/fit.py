@@ -42,11 +42,14 @@ class Budget:
     gpu_fraction: float | None
     host: int | None
 
+    def card_bytes(self) -> int | None:
+        """The run's share of the card (all of it without a fraction); None without a GPU budget."""
+        return None if self.gpu_total is None else int(self.gpu_total * (self.gpu_fraction or 1.0))
+
     def gpu_fits(self, est: Estimate) -> bool | None:
         """None when there is no GPU budget to compare with."""
-        if self.gpu_total is None:
-            return None
-        return est.gpu_bytes <= self.gpu_total * (self.gpu_fraction or 1.0)
+        card = self.card_bytes()
+        return None if card is None else est.gpu_bytes <= card
 
     def host_fits(self, est: Estimate) -> bool | None:
         return None if self.host is None else est.host_bytes <= self.host
@@ -143,13 +146,14 @@ def train_estimate(
     device_type: str,
     cuda_graphs: bool = False,
     stored_layers: int = 0,
+    head_on_host: bool = False,
 ) -> Estimate:
     """The packed_sft estimate for `spec` at `micro_batch`: with the kernels the run will apply and the
     optimizer it uses (`resolve_train`'s estimate, and the planner's searches). `device_type`
     may be one this machine lacks (the planner's "cuda": 16-bit compute unless the spec says float32).
     `cuda_graphs` adds what graphs of the layers' backward hold, `stored_layers` the activations of the layers
     that are not recomputed; both are extras that packed_sft uses only where they fit, so what fits is decided
-    without them."""
+    without them. `head_on_host`: the lm_head streamed from host memory (`train_settings.head_on_host`)."""
     # Imported here: the planner reads configs without loading torch's model code until it estimates.
     from slimtune.plan.train_settings import rank_checkpointing, run_kernels
     from slimtune.train.step.attention import varlen_expected
@@ -164,7 +168,7 @@ def train_estimate(
         target_modules=spec.lora.target_modules,
         checkpointing=rank_checkpointing(spec.train, checkpointing),
         optimizer_bytes_per_param=_OPTIMIZER_BYTES.get(spec.train.optimizer, 8),
-        kernels=run_kernels(spec.train, device_type, cfg.get("model_type")),
+        kernels=run_kernels(spec.train, device_type, cfg.get("model_type"), head_on_host),
         compute_dtype_bytes=dtype_bytes,
         on_gpu=device_type == "cuda",
         shard_ranks=spec.train.world_size if spec.train.sharded else 1,  # per rank
@@ -222,9 +226,17 @@ def largest_fitting_micro_batch(spec: PipelineSpec, cfg: dict, budget: Budget) -
     if budget.gpu_total is None:
         return None
     device_type, ckpt = _device_type(spec, budget), spec.lora.gradient_checkpointing
+    host = _head_on_host(spec, cfg, device_type, budget)
     return largest_micro_batch(
-        lambda mb: budget.gpu_fits(train_estimate(spec, cfg, mb, ckpt, device_type)), micro_batch_candidates(spec.train)
+        lambda mb: budget.gpu_fits(train_estimate(spec, cfg, mb, ckpt, device_type, head_on_host=host)),
+        micro_batch_candidates(spec.train),
     )
+
+
+def _head_on_host(spec: PipelineSpec, cfg: dict, device_type: str, budget: Budget) -> bool:
+    from slimtune.plan.train_settings import head_on_host  # a cycle at import time: train_settings imports this module
+
+    return head_on_host(spec, cfg, device_type, budget.card_bytes() if device_type == "cuda" else None)
 
 
 def _largest_seq(spec: PipelineSpec, cfg: dict, budget: Budget, micro_batch: int, device_type: str) -> int | None:
@@ -233,7 +245,10 @@ def _largest_seq(spec: PipelineSpec, cfg: dict, budget: Budget, micro_batch: int
     while lo < hi:  # largest k with seq = k * step fitting; the estimate grows with seq
         mid = (lo + hi + 1) // 2
         s = spec.model_copy(update={"data": spec.data.model_copy(update={"max_seq_length": mid * _SEQ_STEP})})
-        if budget.gpu_fits(train_estimate(s, cfg, micro_batch, spec.lora.gradient_checkpointing, device_type)):
+        host = _head_on_host(s, cfg, device_type, budget)
+        if budget.gpu_fits(
+            train_estimate(s, cfg, micro_batch, spec.lora.gradient_checkpointing, device_type, head_on_host=host)
+        ):
             lo = mid
         else:
             hi = mid - 1
@@ -250,11 +265,13 @@ def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan]
     device_type = _device_type(spec, budget)
     dtype_bytes = DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
     fits = budget.gpu_fits
-    train = resolve_train(spec, cfg, device_type, fits=lambda est: bool(fits(est)))  # no GPU budget: nothing fits
+    card = budget.card_bytes() if device_type == "cuda" else None
+    # no GPU budget: nothing fits
+    train = resolve_train(spec, cfg, device_type, fits=lambda est: bool(fits(est)), card=card)
     micro_batch = train.micro_batch
     best_mb = largest_fitting_micro_batch(spec, cfg, budget)
     stages = {
-        "load_4bit": estimate_load_4bit(cfg, compute_dtype_bytes=dtype_bytes),
+        "load_4bit": estimate_load_4bit(cfg, compute_dtype_bytes=dtype_bytes, host_tables=train.head_note is not None),
         "packed_sft": train.base_estimate,
     }
     if spec.merge.enabled:
@@ -439,6 +456,8 @@ def render(spec: PipelineSpec, rows: list[StagePlan], limits: dict, budget: Budg
             f"largest sequence length at micro-batch {limits['micro_batch']}: {limits['largest_seq_len'] or 'none'}"
         )
         lines.append(_render_extras(limits["extras"]))
+        if limits["extras"].head_note:
+            lines.append(limits["extras"].head_note)
     lines.append("pools (the job variables a deployment's run fills, docs/deployments.md):")
     lines += [_render_needs(n) for n in pool_needs(spec, rows)]
     return "\n".join(lines)

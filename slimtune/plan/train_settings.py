@@ -13,6 +13,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from slimtune.kernels.apply import expected_kernels
 from slimtune.memory.downshift import DownshiftExhausted, TrainShift, downshift_train
 from slimtune.memory.estimate import Estimate
@@ -24,7 +26,9 @@ from slimtune.train.step.attention import varlen_expected
 
 # DDP and FSDP want every parameter on the rank's GPU (they check device types and broadcast or shard them
 # at wrap time); the guard's estimate for a multi-GPU run leaves these kernels out too.
-MULTI_GPU_EXCLUDED_KERNELS = {"host_embedding": "several ranks: DDP/FSDP keep every parameter on the rank's GPU"}
+_ON_RANK_GPU = "several ranks: DDP/FSDP keep every parameter on the rank's GPU"
+MULTI_GPU_EXCLUDED_KERNELS = {"host_embedding": _ON_RANK_GPU, "host_lm_head": _ON_RANK_GPU}
+HEAD_ON_GPU = "micro-batch 1 fits the card with the head on the GPU, where no bus transfer slows the loss"
 # FSDP1 (flat parameters) replaces each weight by a plain view of its unit's flat parameter, valid only while
 # that unit computes: lora_nf4 reads `base_layer.weight.quant_state` (gone from the view; bitsandbytes' own
 # forward restores it from the module) and the LoRA weights, which are FSDP units of their own, from the
@@ -36,17 +40,41 @@ FSDP_EXCLUDED_KERNELS = {
 }
 
 
-def excluded_kernels(train: TrainSpec) -> dict[str, str]:
+def excluded_kernels(train: TrainSpec, head_on_host: bool = False) -> dict[str, str]:
     """Kernels this run leaves out, with why (attach_lora applies, the estimate assumes the same)."""
     if train.sharded:
         return FSDP_EXCLUDED_KERNELS
-    return MULTI_GPU_EXCLUDED_KERNELS if train.world_size > 1 else {}
+    excluded = MULTI_GPU_EXCLUDED_KERNELS if train.world_size > 1 else {}
+    return excluded if head_on_host else {**excluded, "host_lm_head": HEAD_ON_GPU}
 
 
-def run_kernels(train: TrainSpec, device_type: str, model_type: str | None) -> list[str]:
+def run_kernels(train: TrainSpec, device_type: str, model_type: str | None, head_on_host: bool = False) -> list[str]:
     """The kernels a run of this family on `device_type` is expected to apply, less those it leaves out."""
-    excluded = excluded_kernels(train)
+    excluded = excluded_kernels(train, head_on_host)
     return [k for k in expected_kernels(train.kernels, device_type, model_type) if k not in excluded]
+
+
+def card_bytes(spec: PipelineSpec, device: torch.device) -> int | None:
+    """The card this run may use (`guard.gpu_memory_fraction` of `device`, all of it without one); None off a GPU.
+    What decides where the lm_head lives (`head_on_host`): a fact of the card, not of the moment."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory * (spec.guard.gpu_memory_fraction or 1.0))
+
+
+def head_on_host(spec: PipelineSpec, cfg: dict, device_type: str, card: int | None) -> bool:
+    """Whether the frozen lm_head lives in pinned host memory, streamed by the loss (`host_lm_head`): the planner's
+    last trade, taken only where micro-batch 1 does not fit `card` with the head on the GPU and needs less with it
+    on the host (a small head saves less than the loss's chunks and accumulator cost): every micro-batch then reads
+    the head over the bus (0.98 GiB at 8B). Decided from the spec, the config and the card alone, so load_4bit
+    (which then reads the tables into host memory), attach_lora, packed_sft and the planner all decide the same."""
+    if card is None or model_shape(cfg).tied or spec.lora.train_embeddings:
+        return False
+    if "host_lm_head" not in run_kernels(spec.train, device_type, cfg.get("model_type"), head_on_host=True):
+        return False
+    ckpt = spec.lora.gradient_checkpointing
+    on_gpu = train_estimate(spec, cfg, 1, ckpt, device_type).gpu_bytes
+    return on_gpu > card and train_estimate(spec, cfg, 1, ckpt, device_type, head_on_host=True).gpu_bytes < on_gpu
 
 
 def rank_checkpointing(train: TrainSpec, mode: bool | str) -> bool | str:
@@ -83,6 +111,7 @@ class TrainSettings:
         downshift_notes: what each retry changed (empty on the first attempt).
         graphs_off: why CUDA graphs are off although `train.cuda_graphs` asks for them (None otherwise).
         stored_note: how `stored_layers: auto` chose (None for a count the spec gives, or without checkpointing).
+        head_note: why the lm_head lives in host memory (`head_on_host`; None where it stays on the GPU).
     """
 
     micro_batch: int
@@ -99,6 +128,7 @@ class TrainSettings:
     downshift_notes: tuple[str, ...] = ()
     graphs_off: str | None = None
     stored_note: str | None = None
+    head_note: str | None = None
 
 
 def resolve_train(
@@ -108,6 +138,7 @@ def resolve_train(
     *,
     attempt: int = 1,
     fits: Callable[[Estimate], bool] | None = None,
+    card: int | None = None,
 ) -> TrainSettings:
     """The settings of packed_sft attempt `attempt` of `spec` on a model of config.json `cfg`.
 
@@ -115,12 +146,14 @@ def resolve_train(
         device_type: "cuda" or "cpu"; may be one this machine lacks (the planner's "cuda").
         attempt: 1 as configured; each retry after running out of memory downshifts (`downshift_train`).
         fits: whether an estimate fits the GPU budget now; None: no budget to hold it to (everything fits).
+        card: the card the run may use (`card_bytes`), which decides where the lm_head lives (`head_on_host`).
 
     Raises:
         DownshiftExhausted: `attempt` is past the last downshift.
     """
     fits = fits or (lambda est: True)
     train, ckpt = spec.train, spec.lora.gradient_checkpointing
+    host_head = head_on_host(spec, cfg, device_type, card)
     micro_batch, grad_accum, auto_note = train.micro_batch_size, train.gradient_accumulation_steps, None
     if micro_batch == "auto":
         # memory beyond a GPU-bound micro-batch goes to stored layers where they can take it
@@ -129,7 +162,7 @@ def resolve_train(
         )
         micro_batch, grad_accum, auto_note = auto_micro_batch(
             train,
-            lambda mb: fits(train_estimate(spec, cfg, mb, ckpt, device_type)),
+            lambda mb: fits(train_estimate(spec, cfg, mb, ckpt, device_type, head_on_host=host_head)),
             spec.data.max_seq_length if to_stored else None,
         )
     try:
@@ -137,12 +170,14 @@ def resolve_train(
     except DownshiftExhausted:
         # Already at the ladder's last settings, attempt 1 may still have spent memory on speed (stored layers, CUDA
         # graphs), which every retry gives up: the first retry is that alone before the ladder is exhausted.
-        first = resolve_train(spec, cfg, device_type, fits=fits) if attempt == 2 else None
+        first = resolve_train(spec, cfg, device_type, fits=fits, card=card) if attempt == 2 else None
         if first is None or not (first.stored_layers or first.cuda_graphs):
             raise
         note = f"attempt 2: micro-batch {first.micro_batch} again, every layer recomputed, no CUDA graphs"
         shift = TrainShift(first.micro_batch, first.grad_accum, ckpt, (note,))
-    estimate = functools.partial(train_estimate, spec, cfg, shift.micro_batch, shift.checkpointing, device_type)
+    estimate = functools.partial(
+        train_estimate, spec, cfg, shift.micro_batch, shift.checkpointing, device_type, head_on_host=host_head
+    )
     # CUDA graphs of the layers' backward hold a recomputed layer in a pool of their own: an extra, used only on
     # the first attempt and where the estimate with them fits
     refusal = replay_refusal(cfg)  # layers the runtime never captures: their pool is not planned for
@@ -162,8 +197,8 @@ def resolve_train(
         micro_batch=shift.micro_batch,
         grad_accum=shift.grad_accum,
         checkpointing=rank_checkpointing(train, shift.checkpointing),
-        kernels=tuple(run_kernels(train, device_type, cfg.get("model_type"))),
-        kernels_excluded=excluded_kernels(train),
+        kernels=tuple(run_kernels(train, device_type, cfg.get("model_type"), host_head)),
+        kernels_excluded=excluded_kernels(train, host_head),
         varlen=varlen_expected(cfg, device_type, spec.data.packing),
         cuda_graphs=graphs,
         stored_layers=stored,
@@ -173,6 +208,15 @@ def resolve_train(
         downshift_notes=shift.notes,
         graphs_off=graphs_off,
         stored_note=stored_note,
+        head_note=_head_note(spec, cfg, device_type, card) if host_head else None,
+    )
+
+
+def _head_note(spec: PipelineSpec, cfg: dict, device_type: str, card: int) -> str:
+    on_gpu = train_estimate(spec, cfg, 1, spec.lora.gradient_checkpointing, device_type).gpu_bytes
+    return (
+        f"lm_head in pinned host memory, streamed to the loss once per micro-batch: micro-batch 1 needs "
+        f"{on_gpu / 2**30:.2f} GiB with it on the GPU, more than the {card / 2**30:.2f} GiB card"
     )
 
 

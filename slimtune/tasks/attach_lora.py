@@ -12,7 +12,7 @@ from slimtune.core import registry
 from slimtune.kernels import apply_kernels
 from slimtune.models.lora_targets import expert_lora_targets, lora_target_modules
 from slimtune.plan.run_plan import RunPlan, plan_for
-from slimtune.plan.train_settings import TrainSettings, resolve_train
+from slimtune.plan.train_settings import TrainSettings, card_bytes, resolve_train
 from slimtune.spec.schema import PipelineSpec
 from slimtune.train.step import enable_checkpointing
 
@@ -62,7 +62,8 @@ def attach_lora(spec: PipelineSpec, handle: str, plan: RunPlan | None = None) ->
     from peft import LoraConfig, get_peft_model
 
     plan = plan_for(spec, plan)
-    settings = resolve_train(spec, plan.config, plan.torch_device.type)  # its checkpointing and kernels
+    # its checkpointing and kernels (the card decides where the lm_head lives)
+    settings = resolve_train(spec, plan.config, plan.torch_device.type, card=card_bytes(spec, plan.torch_device))
     model = registry.get(handle)
     if spec.lora.train_embeddings and model.config.tie_word_embeddings:
         raise ValueError(

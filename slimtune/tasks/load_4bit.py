@@ -97,6 +97,18 @@ def loads_on_host(spec: PipelineSpec, device: torch.device) -> bool:
     return spec.train.sharded and device.type == "cuda"
 
 
+def tables_on_host(spec: PipelineSpec, plan: RunPlan) -> bool:
+    """Whether load_4bit reads the input table and lm_head into pinned host memory (`slimtune.tasks.load_tables`):
+    where the card is too small for the head on the GPU (`head_on_host`), for a causal LM loaded onto its GPU (an
+    FSDP rank loads on the host anyway; a multimodal checkpoint's and an MoE's loads build their models otherwise)."""
+    from slimtune.plan.train_settings import card_bytes, head_on_host
+
+    device = plan.torch_device
+    if loads_on_host(spec, device) or text_model_load_kwargs(Path(plan.model_dir)) or FAMILIES[plan.family].experts:
+        return False
+    return head_on_host(spec, plan.config, device.type, card_bytes(spec, device))
+
+
 def _place_for_fsdp(model: torch.nn.Module, device: torch.device) -> None:
     """Everything but the 4-bit weights onto the rank's GPU; FSDP1 (`device_id`) moves those as it wraps.
 
@@ -208,6 +220,7 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
     from transformers import AutoModelForCausalLM
 
     from slimtune.tasks.load_experts import fused_names, load_nf4_experts, without_dense_experts
+    from slimtune.tasks.load_tables import load_host_tables, table_names, without_tables
 
     plan = plan_for(spec, plan)
     model_dir, device, dtype = Path(plan.model_dir), plan.torch_device, plan.dtype
@@ -218,11 +231,14 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
     multimodal = text_model_load_kwargs(model_dir)  # a multimodal checkpoint: its language model, no vision tower
     mxfp4 = _without_mxfp4(model_dir) if FAMILIES[plan.family].fused_experts else {}
     family = FAMILIES[plan.family]
+    host_tables = tables_on_host(spec, plan)
     # an MoE: built without its 16-bit experts, which load_nf4_experts quantizes one layer at a time after the load
-    loader = (
-        without_dense_experts(getattr(transformers, family.architecture)) if family.experts else AutoModelForCausalLM
-    )
-    with _load_report_held(bool(multimodal) or family.experts):
+    loader = AutoModelForCausalLM
+    if family.experts:
+        loader = without_dense_experts(getattr(transformers, family.architecture))
+    elif host_tables:
+        loader = without_tables(getattr(transformers, family.architecture))
+    with _load_report_held(bool(multimodal) or family.experts or host_tables):
         model, loading_info = loader.from_pretrained(
             model_dir,
             quantization_config=quant,
@@ -236,8 +252,11 @@ def load_4bit(spec: PipelineSpec, plan: RunPlan | None = None) -> LoadResult:
             **multimodal,
             **mxfp4,
         )
-    if multimodal or family.experts:
-        _report_unloaded(model_dir, loading_info, fused_names(model))
+    if multimodal or family.experts or host_tables:
+        _report_unloaded(model_dir, loading_info, fused_names(model) | (table_names(model) if host_tables else set()))
+    if host_tables:
+        load_host_tables(model, model_dir, dtype, pin=device.type == "cuda")
+        log.info("%s: input table and lm_head read into pinned host memory (the card is too small for them)", model_dir)
     model.config.use_cache = False
     n4 = keep_training_layout(model)
     n_experts = load_nf4_experts(model, model_dir, dtype, load_device)

@@ -334,3 +334,72 @@ def test_compiled_deltanet_mixer_equals_eager_at_qwen35_4b_widths():
     leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     for x, c, e in zip(leaves, torch.autograd.grad(compiled, leaves, dy), torch.autograd.grad(eager, leaves, dy)):
         assert _rel_err(c, e) < BF16_REL, tuple(x.shape)
+
+
+def test_host_lm_head_8b_equals_the_fused_loss_and_holds_a_chunk_of_the_head():
+    """Llama-3.1-8B's head (0.98 GiB) in pinned host memory, 2 x 2048 tokens: the streamed loss and d(hidden) equal
+    the fused loss's with the head on the GPU within bf16 rounding, and the step holds two head chunks, one chunk of
+    logits and the per-token buffers, not the head."""
+    from slimtune.kernels.fused_linear_ce import fused_linear_cross_entropy
+    from slimtune.kernels.host_embedding import to_host
+
+    torch.manual_seed(0)
+    vocab, hidden, tokens = 128256, 4096, 4096
+    weight = (torch.randn(vocab, hidden, device="cuda") * 0.02).to(torch.bfloat16)
+    table = to_host(weight)
+    h = torch.randn(2, tokens // 2, hidden, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (2, tokens // 2), device="cuda")
+    labels[:, ::5] = -100
+
+    def run(w):
+        x = h.detach().clone().requires_grad_()
+        loss = fused_linear_cross_entropy(x, w, labels)
+        loss.backward()
+        return loss.detach(), x.grad
+
+    ref_loss, ref_dh = run(weight)
+    del weight
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss, dh = run(table)
+    torch.cuda.synchronize()
+    held = torch.cuda.max_memory_allocated() - before
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(dh.float(), ref_dh.float(), rtol=2**-5, atol=1e-6)
+    # head and logits chunks 3 x 32 MiB, per token 4096 x (4 + 3 x 2) bytes: 256 MiB; the head alone is 1002 MiB
+    assert held < 300 * 2**20, held / 2**20
+
+
+def test_tables_loaded_into_host_memory_are_used_there_by_both_host_kernels(tmp_path):
+    """load_4bit's path for a card too small for the head (`slimtune.tasks.load_tables`): both tables arrive in
+    pinned host memory without touching the GPU, `host_embedding` and `host_lm_head` take them as they are, and the
+    loss and gradients equal those of the same model with its tables on the GPU and the fused loss there."""
+    from transformers import LlamaForCausalLM
+
+    from slimtune.kernels import apply_kernels
+    from slimtune.models.tiny import save_tiny
+    from slimtune.tasks.load_tables import load_host_tables, without_tables
+
+    model_dir = save_tiny(tmp_path / "untied", "llama", tie_word_embeddings=False)
+    kw = dict(dtype=torch.bfloat16, device_map={"": "cuda"})
+    on_gpu = LlamaForCausalLM.from_pretrained(model_dir, **kw)
+    hosted = without_tables(LlamaForCausalLM).from_pretrained(model_dir, **kw)
+    load_host_tables(hosted, model_dir, torch.bfloat16, pin=True)
+    assert hosted.lm_head.weight.is_pinned() and hosted.model.embed_tokens.weight.is_pinned()
+    ids = torch.randint(0, on_gpu.config.vocab_size, (2, 64), device="cuda")
+    results = []
+    host_kernels = ["host_embedding", "host_lm_head", "fused_linear_ce"]
+    for model, kernels in ((on_gpu, ["fused_linear_ce"]), (hosted, host_kernels)):
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.model.norm.weight.requires_grad_(True)
+        patch = apply_kernels(model, kernels)
+        assert sorted(patch.applied) == sorted(kernels), patch.skipped
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach().float(), model.model.norm.weight.grad.float()))
+    assert hosted.lm_head.weight.device.type == "cpu" and hosted.model.embed_tokens.weight.device.type == "cpu"
+    (ref_loss, ref_grad), (loss, grad) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
+    assert _rel_err(grad, ref_grad) < 2 * BF16_REL
