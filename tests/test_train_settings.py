@@ -268,7 +268,7 @@ def test_the_lm_head_goes_to_host_memory_only_where_micro_batch_1_does_not_fit_t
     """8B at r=16: micro-batch 1 needs 7.26 GiB with the head on the GPU. On a 6 GiB card the head is streamed from
     host memory (its 0.98 GiB off the estimate, onto the host's), on 8 GiB and without a GPU it stays; and the
     planner's load_4bit reads both tables into host memory then."""
-    from slimtune.plan.train_settings import HEAD_ON_GPU, head_on_host
+    from slimtune.plan.train_settings import HEAD_ON_GPU, head_on_host, reads_tables_to_host
 
     spec = _spec(tmp_path, micro_batch_size=1, gradient_accumulation_steps=8, stored_layers=0)
     on_gpu = train_estimate(spec, LLAMA_8B, 1, "unsloth", "cuda")
@@ -296,6 +296,10 @@ def test_the_lm_head_goes_to_host_memory_only_where_micro_batch_1_does_not_fit_t
 
     # r=8: micro-batch 1 fits 6 GiB only with the head in host memory (the calibrated context, 1.30 GiB, counted)
     r8 = _spec(tmp_path, lora={"r": 8}, micro_batch_size=1, gradient_accumulation_steps=8, stored_layers=0)
+    # load_4bit reads the tables into host memory then, unless its model is built otherwise (the loads of an MoE and of
+    # a multimodal checkpoint's language model put them on the GPU, and attach_lora moves them)
+    assert reads_tables_to_host(True, "llama", False) and not reads_tables_to_host(False, "llama", False)
+    assert not reads_tables_to_host(True, "qwen3_moe", False) and not reads_tables_to_host(True, "llama", True)
     rows, limits = plan(r8, LLAMA_8B, Budget(gpu_total=small, gpu_fraction=None, host=None))
     load = next(r.estimate for r in rows if r.stage == "load_4bit")
     assert load.breakdown["gpu: embeddings and lm_head"] == 0 and limits["extras"].head_note

@@ -257,10 +257,12 @@ def _largest_seq(spec: PipelineSpec, cfg: dict, budget: Budget, micro_batch: int
 
 def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan], dict]:
     """Per-stage estimates with verdicts, and the largest micro-batch and sequence length that fit."""
-    from slimtune.plan.train_settings import resolve_train  # here: it loads torch, which reading configs does not need
+    # here: it loads torch, which reading configs does not need
+    from slimtune.plan.train_settings import reads_tables_to_host, resolve_train
 
     # a multimodal checkpoint's other weights, which the merge copies: counted by the merge's own rule, on its tensors
-    copied = copied_bytes(cfg, stored_tensor_bytes(spec)) if layout_of(cfg) and spec.merge.enabled else 0
+    multimodal = layout_of(cfg) is not None
+    copied = copied_bytes(cfg, stored_tensor_bytes(spec)) if multimodal and spec.merge.enabled else 0
     cfg = trained_config(cfg)  # a multimodal checkpoint: its language model is what is loaded and trained
     device_type = _device_type(spec, budget)
     dtype_bytes = DTYPE_BYTES.get(spec.model.compute_dtype, 2 if device_type == "cuda" else 4)
@@ -271,7 +273,11 @@ def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan]
     micro_batch = train.micro_batch
     best_mb = largest_fitting_micro_batch(spec, cfg, budget)
     stages = {
-        "load_4bit": estimate_load_4bit(cfg, compute_dtype_bytes=dtype_bytes, host_tables=train.head_note is not None),
+        "load_4bit": estimate_load_4bit(
+            cfg,
+            compute_dtype_bytes=dtype_bytes,
+            host_tables=reads_tables_to_host(train.head_note is not None, cfg["model_type"], multimodal),
+        ),
         "packed_sft": train.base_estimate,
     }
     if spec.merge.enabled:

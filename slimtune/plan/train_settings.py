@@ -19,6 +19,7 @@ from slimtune.kernels.apply import expected_kernels
 from slimtune.memory.downshift import DownshiftExhausted, TrainShift, downshift_train
 from slimtune.memory.estimate import Estimate
 from slimtune.memory.model_shape import model_shape
+from slimtune.models.families import FAMILIES
 from slimtune.models.graph_replay import replay_refusal
 from slimtune.plan.fit import auto_micro_batch, train_estimate
 from slimtune.spec.schema import PipelineSpec, TrainSpec
@@ -75,6 +76,14 @@ def head_on_host(spec: PipelineSpec, cfg: dict, device_type: str, card: int | No
     ckpt = spec.lora.gradient_checkpointing
     on_gpu = train_estimate(spec, cfg, 1, ckpt, device_type).gpu_bytes
     return on_gpu > card and train_estimate(spec, cfg, 1, ckpt, device_type, head_on_host=True).gpu_bytes < on_gpu
+
+
+def reads_tables_to_host(head_on_host: bool, family: str, multimodal: bool) -> bool:
+    """Whether load_4bit reads the input table and lm_head into pinned host memory (`slimtune.tasks.load_tables`):
+    where the run keeps the head there (`head_on_host`), unless the load builds its model otherwise (a multimodal
+    checkpoint's language model, an MoE built without its experts): those load the tables onto the GPU, and
+    attach_lora moves them."""
+    return head_on_host and not multimodal and not FAMILIES[family].experts
 
 
 def rank_checkpointing(train: TrainSpec, mode: bool | str) -> bool | str:

@@ -98,15 +98,12 @@ def loads_on_host(spec: PipelineSpec, device: torch.device) -> bool:
 
 
 def tables_on_host(spec: PipelineSpec, plan: RunPlan) -> bool:
-    """Whether load_4bit reads the input table and lm_head into pinned host memory (`slimtune.tasks.load_tables`):
-    where the card is too small for the head on the GPU (`head_on_host`), for a causal LM loaded onto its GPU (an
-    FSDP rank loads on the host anyway; a multimodal checkpoint's and an MoE's loads build their models otherwise)."""
-    from slimtune.plan.train_settings import card_bytes, head_on_host
+    """Whether load_4bit reads the input table and lm_head into pinned host memory (`reads_tables_to_host` for this
+    run's card and checkpoint)."""
+    from slimtune.plan.train_settings import card_bytes, head_on_host, reads_tables_to_host
 
-    device = plan.torch_device
-    if loads_on_host(spec, device) or text_model_load_kwargs(Path(plan.model_dir)) or FAMILIES[plan.family].experts:
-        return False
-    return head_on_host(spec, plan.config, device.type, card_bytes(spec, device))
+    host = head_on_host(spec, plan.config, plan.torch_device.type, card_bytes(spec, plan.torch_device))
+    return reads_tables_to_host(host, plan.family, bool(text_model_load_kwargs(Path(plan.model_dir))))
 
 
 def _place_for_fsdp(model: torch.nn.Module, device: torch.device) -> None:
