@@ -59,3 +59,19 @@ def test_a_table_missing_from_the_checkpoint_is_named(model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"lm_head\.weight is in none of its safetensors shards"):
         load_host_tables(hosted, broken, torch.float32, pin=False)
     assert hosted.get_input_embeddings().weight is None  # nothing read before the check
+
+
+def test_a_table_whose_kernel_did_not_apply_goes_back_where_the_model_computes(model_dir, caplog):
+    """A patcher may refuse at run time; a table it leaves in host memory would meet the GPU's ids there: it goes
+    to the compute device ("meta" stands in for the GPU here), with the patcher's reason in a warning."""
+    from slimtune.kernels import KernelPatch
+    from slimtune.tasks.load_tables import unread_tables_to_device
+
+    hosted = _load(without_tables(LlamaForCausalLM), model_dir)
+    load_host_tables(hosted, model_dir, torch.float32, pin=False)
+    patch = KernelPatch(applied=["host_embedding"], skipped={"host_lm_head": "no pinned host memory for the head"})
+    with caplog.at_level("WARNING", logger="slimtune.tasks.load_tables"):
+        unread_tables_to_device(hosted, patch, torch.device("meta"))
+    assert hosted.lm_head.weight.device.type == "meta" and not hosted.lm_head.weight.requires_grad
+    assert hosted.model.embed_tokens.weight.device.type == "cpu"  # its kernel reads it on the host
+    assert "host_lm_head did not apply (no pinned host memory for the head)" in caplog.text

@@ -208,8 +208,9 @@ def test_8b_whole_flow_fits_a_6_gib_card_with_the_tables_in_host_memory():
     assert {s: r["outcome"] for s, r in stages.items()} == dict.fromkeys(
         ("load_4bit", "attach_lora", "packed_sft", "cleanup", "dequant_merge", "gguf_convert_and_push"), "completed"
     )
-    card = 6 * _GIB
-    assert run["device_peak_gib"] * _GIB <= card and all(r["peak_device_used"] <= card for r in stages.values())
+    card = stages["packed_sft"]["budget"]  # 6 GiB as a fraction of the card, rounded to 4 digits: 5.96 GiB
+    assert 5.95 * _GIB < card <= 6 * _GIB and run["device_peak_gib"] * _GIB <= card
+    assert all(r["peak_device_used"] <= card for r in stages.values())
     assert [size for name, size in run["gguf_files"].items() if name.endswith("-f16.gguf")][0] > 15e9  # 8B in f16
 
     sft = stages["packed_sft"]

@@ -279,8 +279,8 @@ def test_the_lm_head_goes_to_host_memory_only_where_micro_batch_1_does_not_fit_t
     streamed = resolve_train(spec, LLAMA_8B, "cuda", card=small)
     assert "host_lm_head" in streamed.kernels and "host_lm_head" not in streamed.kernels_excluded
     assert "7.26 GiB with it on the GPU, more than the 6.00 GiB card" in streamed.head_note
-    gpu, host = streamed.base_estimate.breakdown, streamed.base_estimate.breakdown
-    assert gpu["gpu: embeddings and lm_head"] == 0 and host["host: lm_head (pinned)"] == head
+    terms = streamed.base_estimate.breakdown
+    assert terms["gpu: embeddings and lm_head"] == 0 and terms["host: lm_head (pinned)"] == head
     assert on_gpu.gpu_bytes - streamed.base_estimate.gpu_bytes > 0.9 * head  # the loss's chunks cost the rest
 
     for card in (large, None):
@@ -293,6 +293,11 @@ def test_the_lm_head_goes_to_host_memory_only_where_micro_batch_1_does_not_fit_t
     assert not head_on_host(spec, {**LLAMA_8B, "tie_word_embeddings": True}, "cuda", small)
     ddp = _spec(tmp_path, micro_batch_size=1, num_gpus=2)
     assert not head_on_host(ddp, LLAMA_8B, "cuda", small)
+    # only where both tables go to the host and the fused loss reads the head there; not under a LoRA on the head
+    for kernels in (["fused_linear_ce", "host_lm_head", "lora_nf4"], ["host_embedding", "host_lm_head", "lora_nf4"]):
+        assert not head_on_host(_spec(tmp_path, micro_batch_size=1, kernels=kernels), LLAMA_8B, "cuda", small)
+    lora_head = _spec(tmp_path, lora={"target_modules": ["q_proj", "lm_head"]}, micro_batch_size=1)
+    assert not head_on_host(lora_head, LLAMA_8B, "cuda", small)
 
     # r=8: micro-batch 1 fits 6 GiB only with the head in host memory (the calibrated context, 1.30 GiB, counted)
     r8 = _spec(tmp_path, lora={"r": 8}, micro_batch_size=1, gradient_accumulation_steps=8, stored_layers=0)
@@ -300,6 +305,7 @@ def test_the_lm_head_goes_to_host_memory_only_where_micro_batch_1_does_not_fit_t
     # a multimodal checkpoint's language model put them on the GPU, and attach_lora moves them)
     assert reads_tables_to_host(True, "llama", False) and not reads_tables_to_host(False, "llama", False)
     assert not reads_tables_to_host(True, "qwen3_moe", False) and not reads_tables_to_host(True, "llama", True)
+    assert train_estimate(r8, LLAMA_8B, 1, "unsloth", "cuda").gpu_bytes > small
     rows, limits = plan(r8, LLAMA_8B, Budget(gpu_total=small, gpu_fraction=None, host=None))
     load = next(r.estimate for r in rows if r.stage == "load_4bit")
     assert load.breakdown["gpu: embeddings and lm_head"] == 0 and limits["extras"].head_note

@@ -5,6 +5,7 @@ that `TRITON_INTERPRET=1` (needed on CPU, read by Triton when a kernel is decora
 after `import slimtune.kernels`.
 """
 
+from ._launch import compute_device
 from .apply import KERNEL_NAMES, apply_kernels, resolve_selection
 from .instance_patch import KernelPatch
 
@@ -12,6 +13,7 @@ __all__ = [
     "KERNEL_NAMES",
     "KernelPatch",
     "apply_kernels",
+    "compute_device",
     "fused_linear_cross_entropy",
     "resolve_selection",
 ]

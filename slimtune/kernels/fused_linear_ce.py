@@ -144,7 +144,8 @@ def fused_linear_cross_entropy(
         weight: [V, H] lm_head weight; a frozen one in host memory (the `host_lm_head` kernel) is streamed to the
             hidden states' GPU in vocabulary chunks (`host_lm_head.host_head_cross_entropy`).
         labels: [...] target ids; `ignore_index` marks prompt/padding tokens (completion-only masks).
-        chunk_tokens: tokens per chunk; default from free GPU memory (see `chunk_tokens_for`).
+        chunk_tokens: tokens per chunk; default from free GPU memory (see `chunk_tokens_for`). A host head is
+            chunked by vocabulary rows instead (`host_lm_head.head_chunk_rows`).
         num_items_in_batch: divisor for the summed loss (gradient accumulation); default the number
             of supervised tokens.
     """

@@ -83,6 +83,7 @@ def stream_rows(table: torch.Tensor, device: torch.device, rows: int) -> Iterato
             yield first, table[first : first + rows]
         return
     compute, copies = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    # allocated on the compute stream: it waits for every copy before the buffers go back (`finally` below)
     buffers = [torch.empty(min(rows, vocab), table.shape[1], dtype=table.dtype, device=device) for _ in range(2)]
     ready = [torch.cuda.Event() for _ in buffers]
     free = [torch.cuda.Event() for _ in buffers]
@@ -99,12 +100,16 @@ def stream_rows(table: torch.Tensor, device: torch.device, rows: int) -> Iterato
 
     chunks = -(-vocab // rows)
     issue(0)
-    for i in range(chunks):
-        if i + 1 < chunks:
-            issue(i + 1)
-        compute.wait_event(ready[i % 2])
-        yield i * rows, buffers[i % 2][: min(rows, vocab - i * rows)]
-        free[i % 2].record(compute)
+    try:
+        for i in range(chunks):
+            if i + 1 < chunks:
+                issue(i + 1)
+            compute.wait_event(ready[i % 2])
+            yield i * rows, buffers[i % 2][: min(rows, vocab - i * rows)]
+            free[i % 2].record(compute)
+    finally:
+        # left early too (the caller ran out of memory): a copy still queued must not write into a freed buffer
+        compute.wait_stream(copies)
 
 
 class _HostHeadCEFn(torch.autograd.Function):
@@ -115,8 +120,6 @@ class _HostHeadCEFn(torch.autograd.Function):
         lab = labels.reshape(-1).to(h2.device)
         if lab.shape[0] != h2.shape[0]:
             raise ValueError(f"labels have {lab.shape[0]} tokens but hidden states have {h2.shape[0]}")
-        if table.dtype != h2.dtype:
-            raise ValueError(f"the host lm_head is {table.dtype} but the hidden states are {h2.dtype}")
         n_tok, vocab = h2.shape[0], table.shape[0]
         need_dh = grad_enabled and ctx.needs_input_grad[0]
         f32 = dict(dtype=torch.float32, device=h2.device)
@@ -127,6 +130,7 @@ class _HostHeadCEFn(torch.autograd.Function):
         logits_buf = torch.empty(n_tok * min(rows, vocab), dtype=h2.dtype, device=h2.device)
         block = min(4096 if h2.device.type == "cuda" else 1024, triton.next_power_of_2(min(rows, vocab)))
         for first, w in stream_rows(table, h2.device, rows):
+            w = w.to(h2.dtype)  # as the fused loss casts its head
             logits = logits_buf[: n_tok * w.shape[0]].view(n_tok, w.shape[0])  # contiguous for the last chunk too
             torch.matmul(h2, w.t(), out=logits)
             if n_tok:
@@ -156,7 +160,8 @@ class _HostHeadCEFn(torch.autograd.Function):
             # d(hidden) = sum_j (p_j - [j = label]) W_j: the label's coefficient p - 1 = expm1(target - lse) in float32,
             # since a bf16 p near 1 would leave little of it (acc holds every other row's p_j W_j)
             label_rows = gather_rows(table, torch.where(supervised, lab, 0))
-            acc.div_(running_sum[:, None]).addcmul_(label_rows, torch.expm1(target - lse)[:, None])
+            coef = torch.where(supervised, torch.expm1(target - lse), 0.0)  # not inf x 0 on an ignored row
+            acc.div_(running_sum[:, None]).addcmul_(label_rows, coef[:, None])
             dh = acc.mul_(torch.where(supervised, inv_n, 0.0)[:, None]).to(h2.dtype)
         ctx.save_for_backward(dh)
         ctx.hidden_shape = hidden.shape
@@ -187,7 +192,17 @@ def host_head_cross_entropy(
 
 def host_head_logits(hidden: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """`hidden @ table^T` with the (pinned host) head streamed in chunks: the plain forward (generation, a
-    caller that wants logits), without the head's gradient."""
+    caller that wants logits). Not for training: its chunks are refilled as it goes, so autograd could not keep them
+    (training reads the head through the fused loss, `host_head_cross_entropy`).
+
+    Raises:
+        RuntimeError: `hidden` needs a gradient.
+    """
+    if hidden.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            "the host lm_head gives logits without gradients; training reads it through the fused loss "
+            "(fused_linear_ce), which this model did not apply"
+        )
     h2 = hidden.reshape(-1, hidden.shape[-1])
     out = torch.empty(h2.shape[0], table.shape[0], dtype=hidden.dtype, device=hidden.device)
     rows = head_chunk_rows(h2.shape[0], table.shape[0], table.shape[1], table.element_size())

@@ -69,9 +69,12 @@ def head_on_host(spec: PipelineSpec, cfg: dict, device_type: str, card: int | No
     on the host (a small head saves less than the loss's chunks and accumulator cost): every micro-batch then reads
     the head over the bus (0.98 GiB at 8B). Decided from the spec, the config and the card alone, so load_4bit
     (which then reads the tables into host memory), attach_lora, packed_sft and the planner all decide the same."""
-    if card is None or model_shape(cfg).tied or spec.lora.train_embeddings:
-        return False
-    if "host_lm_head" not in run_kernels(spec.train, device_type, cfg.get("model_type"), head_on_host=True):
+    lora_head = isinstance(spec.lora.target_modules, list) and "lm_head" in spec.lora.target_modules
+    if card is None or model_shape(cfg).tied or spec.lora.train_embeddings or lora_head:
+        return False  # a head that is trained, tied or wrapped by peft stays where peft and the input table want it
+    # both tables go to the host (load_4bit reads them there), and only the fused loss reads the head there
+    streams = {"host_lm_head", "host_embedding", "fused_linear_ce"}
+    if not streams <= set(run_kernels(spec.train, device_type, cfg.get("model_type"), head_on_host=True)):
         return False
     ckpt = spec.lora.gradient_checkpointing
     on_gpu = train_estimate(spec, cfg, 1, ckpt, device_type).gpu_bytes

@@ -9,11 +9,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from slimtune.core import registry
-from slimtune.kernels import apply_kernels
+from slimtune.kernels import apply_kernels, compute_device
 from slimtune.models.lora_targets import expert_lora_targets, lora_target_modules
 from slimtune.plan.run_plan import RunPlan, plan_for
 from slimtune.plan.train_settings import TrainSettings, card_bytes, resolve_train
 from slimtune.spec.schema import PipelineSpec
+from slimtune.tasks.load_tables import unread_tables_to_device
 from slimtune.train.step import enable_checkpointing
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def attach_lora(spec: PipelineSpec, handle: str, plan: RunPlan | None = None) ->
             "lora.train_embeddings: this model ties embed_tokens and lm_head, so training "
             "separate copies would untie them; set lora.train_embeddings: false"
         )
-    device = next(model.parameters()).device
+    device = compute_device(model)  # not the first parameter's: load_4bit may have read the tables into host memory
     for p in model.parameters():
         p.requires_grad_(False)
     config = LoraConfig(
@@ -139,6 +140,7 @@ def _configure(
         # the output nobody reads
         checkpoint_pass=checkpointing.layer_pass,
     )
+    unread_tables_to_device(peft_model.get_base_model(), kernels, device)
     registry.replace(handle, peft_model)
     # The checkpointing handle holds pinned host buffers, the kernel patch the patched modules (and a
     # host-resident embedding table): both live in the registry so cleanup drops them with the model.

@@ -9,15 +9,18 @@ the checkpoint into pinned host memory.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 from torch import nn
 
+from slimtune.kernels import KernelPatch
 from slimtune.merge.safetensors_io import as_tensor, checkpoint_shards, read_entries, read_raw
 
 _Model = TypeVar("_Model", bound=nn.Module)
+log = logging.getLogger(__name__)
 
 
 def _tables(model: nn.Module) -> list[nn.Module]:
@@ -69,3 +72,21 @@ def load_host_tables(model: nn.Module, model_dir: Path, dtype: torch.dtype, pin:
         table = torch.empty(entry.shape, dtype=dtype, pin_memory=pin)
         table.copy_(as_tensor(read_raw(entry), entry.dtype, entry.shape))
         module.weight = nn.Parameter(table, requires_grad=False)
+
+
+def unread_tables_to_device(model: nn.Module, patch: KernelPatch, device: torch.device) -> None:
+    """A table `load_host_tables` left in host memory whose kernel did not apply (`host_embedding`, `host_lm_head`;
+    a patcher can refuse at run time) goes onto `device`, where the model's own forward reads it: nothing else would
+    read it on the host. Warned, since the memory estimate counted it off the card."""
+    for kernel, module in zip(("host_embedding", "host_lm_head"), _tables(model)):
+        weight = getattr(module, "weight", None)
+        if kernel in patch.applied or weight is None or weight.device == device or device.type == "cpu":
+            continue
+        log.warning(
+            "%s was read into host memory for a card too small for it, but %s did not apply (%s): onto %s again",
+            type(module).__name__,
+            kernel,
+            patch.skipped.get(kernel, "not selected"),
+            device,
+        )
+        module.weight = nn.Parameter(weight.detach().to(device), requires_grad=False)

@@ -373,8 +373,8 @@ def test_host_lm_head_8b_equals_the_fused_loss_and_holds_a_chunk_of_the_head():
 
 def test_tables_loaded_into_host_memory_are_used_there_by_both_host_kernels(tmp_path):
     """load_4bit's path for a card too small for the head (`slimtune.tasks.load_tables`): both tables arrive in
-    pinned host memory without touching the GPU, `host_embedding` and `host_lm_head` take them as they are, and the
-    loss and gradients equal those of the same model with its tables on the GPU and the fused loss there."""
+    pinned host memory, `host_embedding` and `host_lm_head` take them as they are (they stay there), and the loss and
+    gradients equal those of the same model with its tables on the GPU and the fused loss there."""
     from transformers import LlamaForCausalLM
 
     from slimtune.kernels import apply_kernels

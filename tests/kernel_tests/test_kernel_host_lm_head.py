@@ -59,16 +59,19 @@ def test_ignored_tokens_the_divisor_and_no_gradient_outside_training():
     loss, dh = _run(host_head_cross_entropy, hidden, weight, torch.full((N,), -100), chunk_rows=16)
     assert loss.item() == 0.0 and torch.all(dh == 0)
     n = int((labels != -100).sum())
-    mean = host_head_cross_entropy(hidden, weight, labels, chunk_rows=16)
-    summed = host_head_cross_entropy(hidden, weight, labels, chunk_rows=16, num_items_in_batch=1)
+    trained = hidden.clone().requires_grad_()  # the gradient's pass, as training runs it
+    mean = host_head_cross_entropy(trained, weight, labels, chunk_rows=16)
+    summed = host_head_cross_entropy(trained, weight, labels, chunk_rows=16, num_items_in_batch=1)
     torch.testing.assert_close(summed, mean * n, rtol=1e-6, atol=1e-5)
-    with torch.no_grad():  # evaluation: the loss alone
-        torch.testing.assert_close(host_head_cross_entropy(hidden, weight, labels), mean)
+    with torch.no_grad():  # evaluation: the loss alone, without the gradient's accumulator
+        torch.testing.assert_close(host_head_cross_entropy(trained, weight, labels), mean.detach())
 
 
-def test_streamed_logits_equal_the_plain_head():
+def test_streamed_logits_equal_the_plain_head_and_refuse_a_gradient():
     hidden, weight, _ = _data(torch.float32)
     torch.testing.assert_close(host_head_logits(hidden.view(1, N, H), weight), (hidden @ weight.t()).view(1, N, V))
+    with pytest.raises(RuntimeError, match="through the fused loss"):  # its chunks are refilled: no autograd
+        host_head_logits(hidden.requires_grad_(), weight)
 
 
 def test_chunks_hold_32_mib_of_head_and_128_mib_of_logits():
