@@ -31,7 +31,10 @@ def _gather_rows_kernel(table_ptr, ids_ptr, out_ptr, dim, BLOCK: tl.constexpr):
 
 
 def to_host(weight: torch.Tensor) -> torch.Tensor:
-    """A pinned host copy of `weight` (plain host memory when it is already on the CPU)."""
+    """A pinned host copy of `weight` (plain host memory when it is already on the CPU); `weight` itself when it is
+    pinned already (load_4bit read it there: `slimtune.tasks.load_tables`)."""
+    if weight.is_pinned():
+        return weight
     return torch.empty(weight.shape, dtype=weight.dtype, pin_memory=weight.is_cuda).copy_(weight)
 
 

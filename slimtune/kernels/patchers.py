@@ -219,7 +219,7 @@ def _patch_host_embedding(base: torch.nn.Module, family: str, patch: KernelPatch
         return "the input embeddings are tied to the output head, which reads them on the GPU"
     gpu = compute_device(base)
     try:
-        host = emb.weight.detach() if emb.weight.is_pinned() else to_host(emb.weight.detach())
+        host = to_host(emb.weight.detach())
         # A probe before the GPU copy goes: pinned memory may be refused (locked-memory limits), or the
         # GPU may not reach it (no unified addressing); either way the table then stays where it is.
         probe = gather_rows(host, torch.zeros(1, dtype=torch.long, device=gpu))
@@ -227,18 +227,7 @@ def _patch_host_embedding(base: torch.nn.Module, family: str, patch: KernelPatch
             return "the GPU read a different row 0 from the host table than the model has"
     except Exception as err:
         return f"host table not usable from {gpu}: {type(err).__name__}: {str(err).splitlines()[0]}"
-    emb.weight = torch.nn.Parameter(host, requires_grad=False)  # the GPU copy is freed here
-
-    def impl(mod, original, input_ids):
-        return gather_rows(mod.weight, input_ids)
-
-    replace_forward(emb, impl, patch)
-
-    def back_to_device() -> None:
-        emb.weight = torch.nn.Parameter(emb.weight.detach().to(gpu), requires_grad=False)
-
-    patch.on_undo(back_to_device)
-    return 1
+    return _keep_on_host(emb, host, gpu, patch, lambda mod, original, input_ids: gather_rows(mod.weight, input_ids))
 
 
 def _patch_host_lm_head(base: torch.nn.Module, family: str, patch: KernelPatch) -> int | str:
@@ -257,18 +246,20 @@ def _patch_host_lm_head(base: torch.nn.Module, family: str, patch: KernelPatch) 
     if gpu.type != "cuda":
         return f"the model is on {gpu}: there is no GPU memory to spare"
     try:
-        host = head.weight.detach() if head.weight.is_pinned() else to_host(head.weight.detach())
+        host = to_host(head.weight.detach())
     except Exception as err:  # pinned memory refused (locked-memory limits): the head stays where it is
         return f"no pinned host memory for the head: {type(err).__name__}: {str(err).splitlines()[0]}"
-    head.weight = torch.nn.Parameter(host, requires_grad=False)  # the GPU copy is freed here
+    return _keep_on_host(head, host, gpu, patch, lambda mod, original, hidden: host_head_logits(hidden, mod.weight))
 
-    def impl(mod, original, hidden):
-        return host_head_logits(hidden, mod.weight)
 
-    replace_forward(head, impl, patch)
+def _keep_on_host(module: torch.nn.Module, host: torch.Tensor, gpu: torch.device, patch: KernelPatch, impl) -> int:
+    """`module.weight` becomes its host copy `host` (a GPU copy is freed here), its forward `impl`; `undo()` brings
+    the weight back to `gpu`."""
+    module.weight = torch.nn.Parameter(host, requires_grad=False)
+    replace_forward(module, impl, patch)
 
     def back_to_device() -> None:
-        head.weight = torch.nn.Parameter(head.weight.detach().to(gpu), requires_grad=False)
+        module.weight = torch.nn.Parameter(module.weight.detach().to(gpu), requires_grad=False)
 
     patch.on_undo(back_to_device)
     return 1
