@@ -69,16 +69,26 @@ def head_on_host(spec: PipelineSpec, cfg: dict, device_type: str, card: int | No
     on the host (a small head saves less than the loss's chunks and accumulator cost): every micro-batch then reads
     the head over the bus (0.98 GiB at 8B). Decided from the spec, the config and the card alone, so load_4bit
     (which then reads the tables into host memory), attach_lora, packed_sft and the planner all decide the same."""
+    return _head_note(spec, cfg, device_type, card) is not None
+
+
+def _head_note(spec: PipelineSpec, cfg: dict, device_type: str, card: int | None) -> str | None:
+    """`head_on_host`'s decision as the sentence the plan and the run log print; None where the head stays."""
     lora_head = isinstance(spec.lora.target_modules, list) and "lm_head" in spec.lora.target_modules
     if card is None or model_shape(cfg).tied or spec.lora.train_embeddings or lora_head:
-        return False  # a head that is trained, tied or wrapped by peft stays where peft and the input table want it
+        return None  # a head that is trained, tied or wrapped by peft stays where peft and the input table want it
     # both tables go to the host (load_4bit reads them there), and only the fused loss reads the head there
     streams = {"host_lm_head", "host_embedding", "fused_linear_ce"}
     if not streams <= set(run_kernels(spec.train, device_type, cfg.get("model_type"), head_on_host=True)):
-        return False
+        return None
     ckpt = spec.lora.gradient_checkpointing
     on_gpu = train_estimate(spec, cfg, 1, ckpt, device_type).gpu_bytes
-    return on_gpu > card and train_estimate(spec, cfg, 1, ckpt, device_type, head_on_host=True).gpu_bytes < on_gpu
+    if on_gpu <= card or train_estimate(spec, cfg, 1, ckpt, device_type, head_on_host=True).gpu_bytes >= on_gpu:
+        return None
+    return (
+        f"lm_head in pinned host memory, streamed to the loss once per micro-batch: micro-batch 1 needs "
+        f"{on_gpu / 2**30:.2f} GiB with it on the GPU, more than the {card / 2**30:.2f} GiB card"
+    )
 
 
 def reads_tables_to_host(head_on_host: bool, family: str, multimodal: bool) -> bool:
@@ -165,7 +175,8 @@ def resolve_train(
     """
     fits = fits or (lambda est: True)
     train, ckpt = spec.train, spec.lora.gradient_checkpointing
-    host_head = head_on_host(spec, cfg, device_type, card)
+    head_note = _head_note(spec, cfg, device_type, card)
+    host_head = head_note is not None
     micro_batch, grad_accum, auto_note = train.micro_batch_size, train.gradient_accumulation_steps, None
     if micro_batch == "auto":
         # memory beyond a GPU-bound micro-batch goes to stored layers where they can take it
@@ -220,15 +231,7 @@ def resolve_train(
         downshift_notes=shift.notes,
         graphs_off=graphs_off,
         stored_note=stored_note,
-        head_note=_head_note(spec, cfg, device_type, card) if host_head else None,
-    )
-
-
-def _head_note(spec: PipelineSpec, cfg: dict, device_type: str, card: int) -> str:
-    on_gpu = train_estimate(spec, cfg, 1, spec.lora.gradient_checkpointing, device_type).gpu_bytes
-    return (
-        f"lm_head in pinned host memory, streamed to the loss once per micro-batch: micro-batch 1 needs "
-        f"{on_gpu / 2**30:.2f} GiB with it on the GPU, more than the {card / 2**30:.2f} GiB card"
+        head_note=head_note,
     )
 
 

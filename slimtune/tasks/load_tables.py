@@ -45,10 +45,15 @@ def without_tables(cls: type[_Model]) -> type[_Model]:
     return WithoutTables
 
 
+def _named_tables(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Each table with its checkpoint key."""
+    names = {id(m): f"{name}.weight" for name, m in model.named_modules()}
+    return [(module, names[id(module)]) for module in _tables(model)]
+
+
 def table_names(model: nn.Module) -> set[str]:
     """The checkpoint keys of the two tables: what `from_pretrained` reports unexpected for a `without_tables` model."""
-    modules = {id(m) for m in _tables(model)}
-    return {f"{name}.weight" for name, m in model.named_modules() if id(m) in modules}
+    return {name for _, name in _named_tables(model)}
 
 
 def load_host_tables(model: nn.Module, model_dir: Path, dtype: torch.dtype, pin: bool) -> None:
@@ -59,8 +64,7 @@ def load_host_tables(model: nn.Module, model_dir: Path, dtype: torch.dtype, pin:
         FileNotFoundError: a table is in no safetensors shard of `model_dir` (checked before either is read).
     """
     entries = {e.name: e for shard in checkpoint_shards(model_dir) for e in read_entries(shard)}
-    names = {id(m): f"{name}.weight" for name, m in model.named_modules()}
-    wanted = [(module, names[id(module)]) for module in _tables(model)]
+    wanted = _named_tables(model)
     missing = [name for _, name in wanted if name not in entries]
     if missing:
         raise FileNotFoundError(
