@@ -117,9 +117,8 @@ def _pretrained(case: str) -> Path:
     return ensure_pretrained(family, style)
 
 
-def _flips(path: Path, model_dir: Path) -> list[tuple[float, float]]:
-    """(HF's top-2 logit gap, llama.cpp's largest logit error there) at each position where the GGUF picks
-    another next token than the fp32 HF model."""
+def _logits(path: Path, model_dir: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(fp32 HF logits, the GGUF's logits in llama.cpp) for each of the verification prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -129,12 +128,19 @@ def _flips(path: Path, model_dir: Path) -> list[tuple[float, float]]:
     with torch.no_grad():
         for prompt in PROMPTS:
             ids = tokenizer(prompt)["input_ids"]
-            ref = model(torch.tensor([ids])).logits[0].numpy()
-            got = llama_cpp_logits(llm, ids)
-            top2 = np.sort(ref, axis=-1)[:, -2:]
-            for i in np.flatnonzero(got.argmax(-1) != ref.argmax(-1)):
-                out.append((float(top2[i, 1] - top2[i, 0]), float(np.abs(got[i] - ref[i]).max())))
+            out.append((model(torch.tensor([ids])).logits[0].numpy(), llama_cpp_logits(llm, ids)))
     llm.close()
+    return out
+
+
+def _flips(pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[float, float]]:
+    """(HF's top-2 logit gap, llama.cpp's largest logit error there) at each position where the GGUF picks
+    another next token than the fp32 HF model."""
+    out = []
+    for ref, got in pairs:
+        top2 = np.sort(ref, axis=-1)[:, -2:]
+        for i in np.flatnonzero(got.argmax(-1) != ref.argmax(-1)):
+            out.append((float(top2[i, 1] - top2[i, 0]), float(np.abs(got[i] - ref[i]).max())))
     return out
 
 
@@ -151,14 +157,22 @@ def test_f16_gguf_matches_hf_at_every_position(llama_cpp, tmp_path, case):
     # own logit error at that position, either order is right to f16 precision. Measured: 1 such position in
     # the ~2000 of all cases (llama, prompt 3: gap 0.008, error 0.010), and 2 of 180 on one gpt-oss pretraining
     # (2026-11-27, gaps 0.0010 and 0.0013); every other position agrees.
-    flips = [] if report["argmax_agreement"] == 1.0 else _flips(path, model_dir)
+    pairs = _logits(path, model_dir) if case == "gpt_oss" or report["argmax_agreement"] < 1.0 else []
+    flips = _flips(pairs)
     assert all(gap < 2 * err for gap, err in flips) and len(flips) <= max(2, 0.01 * report["positions"]), flips
     # f16 weights round at 2^-11 relative; after pretraining the logits reach ~10-20 and errors measured up
-    # to 0.19 (mistral); a conversion mistake moves logits by whole units. gpt-oss's tiny amplifies rounding
-    # far more, and by how much depends on its pretraining: 0.011, 0.020, 0.093 and 0.85 on four of them
-    # (2026-11-27; transformers itself, its attention weights rounded to q8_0, moves a logit by 5.8).
-    bound = 1.5 if case == "gpt_oss" else 0.5
-    assert 1e-7 < report["max_abs_logit_diff"] < bound, report
+    # to 0.19 (mistral); a conversion mistake moves logits by whole units, at most positions.
+    assert 1e-7 < report["max_abs_logit_diff"], report
+    if case != "gpt_oss":
+        assert report["max_abs_logit_diff"] < 0.5, report
+        return
+    # gpt-oss's tiny moves a few isolated positions by whole units on some pretrainings (why is not known: its
+    # weights rounded to f16 in transformers move its logits by 0.03 at most), every other within f16 rounding. Its
+    # largest error was 0.011, 0.020, 0.093 and 0.85 on four pretrainings (2026-11-27), and 4.20 on one of
+    # 2026-11-28, at 2 of 180 positions above 0.5, 95% of them within 0.025 (another that day: 0.016 at most).
+    # Held: few such positions, the rest within f16 rounding; a conversion mistake moves most of them.
+    errors = np.concatenate([np.abs(got - ref).max(-1) for ref, got in pairs])
+    assert (errors > 0.5).sum() <= max(2, 0.01 * errors.size) and np.percentile(errors, 95) < 0.1, errors
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -184,7 +198,7 @@ def test_q8_0_gguf_picks_hf_next_token(llama_cpp, tmp_path, case):
     # as llama.cpp does, moved three pretrainings from 176, 176, 176 to 178, 174, 175 of 180: routing is not the cause.
     # qwen3_moe: 174 of 180 (96.7%) on an AVX-512 machine's pretraining (2026-11-27), every flip a near-tie.
     floor = {"qwen3_5_text": 0.96, "gpt_oss": 0.93, "qwen3_moe": 0.96}.get(case, 0.97)
-    flips = [] if report["argmax_agreement"] >= 0.98 else _flips(path, model_dir)
+    flips = [] if report["argmax_agreement"] >= 0.98 else _flips(_logits(path, model_dir))
     assert report["argmax_agreement"] >= floor and all(gap < 2 * err for gap, err in flips), (report, flips)
     assert report["max_abs_logit_diff"] > 1e-3, report  # 8-bit weights really moved the logits
 
