@@ -1,10 +1,13 @@
 """What a training process holds on the GPU outside the caching allocator, library by library.
 
-The estimate's context term (`slimtune.memory.estimate.CUDA_CONTEXT_BYTES`, 1.30 GiB) is device-wide used less
-allocator reserved, measured in whole product runs. Unsloth's process held 0.82 GiB outside its allocator at 1B
-(benchmarks/results/user/h200-2026-11-27-headline.json), so at small models the product's card peak sits above
-Unsloth's. This walks the steps a training process takes, one library at a time, and records after each this
-process's memory on the card (NVML), the allocator's reserved bytes and their difference.
+The estimate's context term (`slimtune.memory.estimate.CUDA_CONTEXT_BYTES`) is this process on the card less
+allocator reserved, measured in whole product runs. This walks the steps a training process takes, one library at
+a time, and records after each this process's memory on the card (NVML), the allocator's reserved bytes and their
+difference.
+
+It also records the device's used memory three ways, idle and after each step: NVML's v1 memory info (what
+`torch.cuda.device_memory_used` returns, which the calibration grids of 2026-11-23/24 recorded), NVML's v2 info
+(which reports the driver's reserved memory apart) and cudaMemGetInfo (the total the guard's budget is a share of).
 
 Usage (device): python3 benchmarks/context_probe.py --out "$OUT"   Writes OUT/context_probe.json; prints a table.
 """
@@ -91,6 +94,24 @@ def _steps(dev: torch.device) -> list[tuple[str, Callable[[], object]]]:
     ]
 
 
+def _device_views(dev: torch.device | None, index: int = 0) -> dict:
+    """The device's memory in MiB as NVML v1, NVML v2 and (with a context) cudaMemGetInfo report it."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    v1 = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    v2 = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+    views = {
+        "nvml_v1": {"total": v1.total // MiB, "used": v1.used // MiB, "free": v1.free // MiB},
+        "nvml_v2": {k: getattr(v2, k) // MiB for k in ("total", "reserved", "used", "free")},
+    }
+    if dev is not None:
+        free, total = torch.cuda.mem_get_info(dev)
+        views["cuda_mem_get_info"] = {"total": total // MiB, "used": (total - free) // MiB}
+    return views
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "context_probe_out"))
@@ -102,6 +123,7 @@ def main() -> int:
     if dev.type != "cuda":
         print(json.dumps({"skipped": "no GPU"}))
         return 0
+    idle = _device_views(None, dev.index or 0)  # before this process makes a context
     torch.zeros(1, device=dev)
     used = process_reader(dev)
     rows = []
@@ -115,6 +137,7 @@ def main() -> int:
                 "process_mib": None if held is None else round(held / MiB),
                 "reserved_mib": round(reserved / MiB),
                 "outside_allocator_mib": None if held is None else round((held - reserved) / MiB),
+                "device": _device_views(dev, dev.index or 0),
             }
         )
         print(f"{what:42s} process {rows[-1]['process_mib']} MiB, outside the allocator "
@@ -124,6 +147,7 @@ def main() -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "CUDA_MODULE_LOADING": os.environ.get("CUDA_MODULE_LOADING"),
+        "idle": idle,
         "rows": rows,
     }
     out = Path(args.out)

@@ -222,6 +222,35 @@ def test_preflight_counts_gpu_terms_as_host_on_cpu_and_checks_disk(tmp_path):
     preflight(Estimate(0, 1, 1), device="cpu", disk_path=tmp_path)
 
 
+def test_a_gpu_estimate_over_the_budget_by_no_more_than_its_fragmentation_allowance_runs_with_a_warning(
+    monkeypatch, caplog
+):
+    """8B at 1 x 2048 with the lm_head on the GPU: 6.78 GiB estimated, 0.56 GiB of it the allowance for allocator
+    fragmentation. A card that holds its tensors but not the allowance runs with a warning naming both; a card that
+    does not hold its tensors is refused. The device is stood in for: `_gpu_checks` reads a GPU's free memory."""
+    from model_configs import LLAMA_8B
+
+    from slimtune.memory import guard as guard_module
+    from slimtune.memory.estimate import estimate_train
+
+    est = estimate_train(
+        LLAMA_8B, micro_batch=1, seq_len=2048, lora_r=16, target_modules="all-linear", checkpointing="unsloth"
+    )
+    allowance = est.breakdown["gpu: allocator fragmentation"]
+    assert est.allowance_gpu_bytes == allowance > 0.5 * _GIB
+    card: list[int] = []
+    where = "in the budget on cuda:0 (device-wide: context included)"
+    monkeypatch.setattr(guard_module, "_gpu_checks", lambda est, dev, budget: [(est.gpu_bytes, card[0], where)])
+
+    card.append(est.gpu_bytes - allowance // 2)
+    with caplog.at_level("WARNING", logger="slimtune.memory.guard"):
+        preflight(est, device="cuda", disk_path=None, stage="packed_sft")
+    assert "packed_sft: a tight fit" in caplog.text and f"{allowance / _GIB:.2f} GiB of the estimate" in caplog.text
+    card[0] = est.gpu_bytes - allowance - _MIB
+    with pytest.raises(PreflightError, match="packed_sft: not enough GPU memory"):
+        preflight(est, device="cuda", disk_path=None, stage="packed_sft")
+
+
 def test_max_memory_with_headroom_keeps_ten_percent():
     limits = max_memory_with_headroom("cpu")
     available = psutil.virtual_memory().available

@@ -215,7 +215,7 @@ def _command(args: argparse.Namespace) -> int:
         except ModelSourceError as e:
             return _fail(e, EXIT_INVALID_SPEC)
         print(render(spec, rows, limits, budget))
-        return 0 if all(r.gpu_fits is not False and r.host_fits is not False for r in rows) else 1
+        return 0 if all(r.gpu_runs is not False and r.host_fits is not False for r in rows) else 1
     if args.command == "deploy":
         return _deploy(args, spec)
     from prefect.exceptions import TerminationSignal

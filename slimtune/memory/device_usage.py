@@ -1,8 +1,8 @@
 """What this process holds on a GPU, device-wide: the figure a card size is compared with.
 
 The caching allocator sees only its own blocks. A process also holds the CUDA context, cuBLAS/cuDNN
-handles and workspaces and the loaded kernel modules (1.07-1.29 GiB measured on an H100, see
-`slimtune.memory.estimate`), so a run whose allocator peaked at 5.2 GiB held 6.46 GiB of the card.
+handles and workspaces and the loaded kernel modules (0.79-0.82 GiB measured while training, see
+`slimtune.memory.estimate`), so a run whose allocator reserved 4.55 GiB held 5.34 GiB of the card.
 NVML reports each process's usage; inside a container its process ids are the host's and this
 process is not found by its id: where NVML lists one process on the device and this one holds a context there,
 that one is this process; otherwise the device's whole used memory stands in (other processes included).
@@ -74,11 +74,11 @@ def device_reader(device: torch.device) -> Callable[[], int] | None:
 
 
 # What a training step still loads outside the allocator after its model is in place (libraries load lazily: cuBLAS
-# at the first matmul, its workspace per stream and thread, Triton modules at their first launch). On an H200 a bare
-# process went from 680 MiB (the context) to 820 MiB with every library of a step loaded
-# (benchmarks/results/memory/h200-2026-11-27-context-probe.json); on an H100 the product held 1.07 GiB while
-# loading and 1.29 GiB while training (h100-2026-11-23.json).
-_LAZY_LIBRARIES = int(0.25 * 1024**3)
+# at the first matmul, its workspace per stream and thread, Triton modules at their first launch). This process
+# held 0.13 GiB more outside its allocator while training than at attach_lora on an H100 (8B, 0.66 -> 0.79 GiB:
+# benchmarks/results/memory/h100-2026-11-28-8b-6gib-whole-flow.json) and 0.12 GiB more on an H200 (1B, 0.67 ->
+# 0.79: benchmarks/results/user/h200-2026-11-28-1b.json).
+_LAZY_LIBRARIES = int(0.15 * 1024**3)
 
 
 def outside_allocator_bytes(device: torch.device) -> int:
@@ -86,8 +86,7 @@ def outside_allocator_bytes(device: torch.device) -> int:
     (`_LAZY_LIBRARIES`): measured where NVML tells this process apart; where it cannot, the smaller of the
     calibrated context and what the device holds beyond this process's allocator (an upper bound of its share).
 
-    Measured, not the calibrated figure, because cards and drivers differ by half a GiB: the product held 0.80 GiB
-    outside its allocator while training on an H200 (h200-2026-11-27-stored-layers-b.json), 1.29 GiB on an H100.
+    Measured, not the calibrated figure, because cards, drivers and libraries differ.
     """
     reader = process_reader(device)
     held = reader() if reader is not None else None

@@ -40,14 +40,19 @@ _PROCESS_ANON_BYTES = int(1.60 * _GIB)
 # alive; load and merge estimates carry 10% on top of what they count.
 _ALLOCATOR_SLACK = 0.10
 # What a CUDA process holds outside the caching allocator: the context, cuBLAS/cuDNN handles and
-# workspaces, loaded Triton modules. Measured (device-wide used - allocator reserved) on an H100,
-# torch 2.11 + CUDA 13: 1.29 GiB in every packed_sft cell, 1.07 GiB while loading.
-CUDA_CONTEXT_BYTES = int(1.30 * _GIB)
-# While loading, before cuBLAS and the Triton kernels are first used: 1.07 GiB measured.
-_LOAD_CONTEXT_BYTES = int(1.12 * _GIB)
+# workspaces, loaded Triton modules (this process on the card, NVML per process, less allocator reserved), torch
+# 2.11 + CUDA 13: 0.79 GiB while training on an H100 (h100-2026-11-28-8b-6gib-whole-flow.json), 0.80 on an H200
+# (h200-2026-11-27-stored-layers-b.json), 0.80 with every library of a step loaded (h200-2026-11-28-context-probe.json).
+# The H100 grids of 2026-11-23/24 read 1.29 GiB because NVML's v1 memory info also counts the driver's reserved
+# memory (480 MiB on an H100, 615 on an H200), which is not in the card size a budget is a share of.
+CUDA_CONTEXT_BYTES = int(0.82 * _GIB)
+# While loading, before cuBLAS and the Triton kernels are first used: 0.60 GiB measured (the same runs, and the H100
+# grid's loads with the reserve taken off).
+_LOAD_CONTEXT_BYTES = int(0.68 * _GIB)
 # Anonymous host memory of the loading process: 0.64 GiB in a bare worker, 0.72 GiB inside the flow.
 _LOAD_HOST_BYTES = int(0.73 * _GIB)
 _CONTEXT_TERM = "CUDA context and libraries (outside the allocator)"
+_FRAGMENTATION_TERM = "allocator fragmentation"
 # Training: with expandable segments (slimtune.core.device) reserved stays close to allocated, and what remains
 # grows with the step's short-lived tensors (the activation and loss terms). Measured reserved - allocated
 # over the grid: 0.02-0.57 GiB with the fused kernels and standard checkpointing, up to 2.6 GiB at 4 x 8192
@@ -114,6 +119,9 @@ class Estimate:
     resident_gpu_bytes: int = 0
     # Part of gpu_bytes outside the caching allocator (the CUDA context and library workspaces).
     context_gpu_bytes: int = 0
+    # Part of gpu_bytes that allows for the caching allocator's fragmentation (reserved beyond allocated), not for
+    # tensors: under a budget's cap the allocator frees its cached blocks before it runs out (`guard.preflight`).
+    allowance_gpu_bytes: int = 0
 
     def top_terms(self, prefix: str, n: int = 3) -> str:
         """The largest `n` breakdown terms for one resource, in GiB, for error messages."""
@@ -160,6 +168,7 @@ def _estimate(
         gpu_bytes=sum(gpu.values()),
         resident_gpu_bytes=resident,
         context_gpu_bytes=gpu.get(_CONTEXT_TERM, 0),
+        allowance_gpu_bytes=gpu.get(_FRAGMENTATION_TERM, 0),
         host_bytes=sum(host.values()),
         disk_bytes=sum(disk.values()),
         breakdown={**_prefixed("gpu: ", gpu), **_prefixed("host: ", host), **_prefixed("disk: ", disk)},
@@ -411,9 +420,7 @@ def estimate_train(
         for k, v in gpu.items()
         if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS + _GRAPH_TERMS + (_FORWARD_TERM,)
     )
-    gpu["allocator fragmentation"] = (
-        int(churn * share) + _FRAGMENTATION_FLOOR + int(host_table * _HOST_TABLE_FRAGMENTATION)
-    )
+    gpu[_FRAGMENTATION_TERM] = int(churn * share) + _FRAGMENTATION_FLOOR + int(host_table * _HOST_TABLE_FRAGMENTATION)
     if on_gpu:
         gpu[_CONTEXT_TERM] = CUDA_CONTEXT_BYTES
     checkpoint = lora * (4 + optimizer_bytes_per_param)

@@ -51,6 +51,12 @@ class Budget:
         card = self.card_bytes()
         return None if card is None else est.gpu_bytes <= card
 
+    def gpu_runs(self, est: Estimate) -> bool | None:
+        """Whether the guard lets `est` run on the card: it fits, or exceeds it by no more than its allowance for
+        allocator fragmentation (a tight fit, `guard.preflight`). None when there is no GPU budget."""
+        card = self.card_bytes()
+        return None if card is None else est.gpu_bytes - est.allowance_gpu_bytes <= card
+
     def host_fits(self, est: Estimate) -> bool | None:
         return None if self.host is None else est.host_bytes <= self.host
 
@@ -61,6 +67,7 @@ class StagePlan:
     estimate: Estimate
     gpu_fits: bool | None
     host_fits: bool | None
+    gpu_runs: bool | None = None  # fits, or a tight fit the guard lets run (`Budget.gpu_runs`)
 
 
 def model_config(spec: PipelineSpec) -> dict:
@@ -289,7 +296,9 @@ def plan(spec: PipelineSpec, cfg: dict, budget: Budget) -> tuple[list[StagePlan]
         )
         if spec.export.gguf:
             stages["gguf_convert_and_push"] = estimate_export(cfg, out_types=spec.export.gguf)
-    rows = [StagePlan(name, est, fits(est), budget.host_fits(est)) for name, est in stages.items()]
+    rows = [
+        StagePlan(name, est, fits(est), budget.host_fits(est), budget.gpu_runs(est)) for name, est in stages.items()
+    ]
     limits = {
         "micro_batch": micro_batch,
         "largest_micro_batch": best_mb,
@@ -419,8 +428,8 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / _GIB:.2f} GiB"
 
 
-def _verdict(ok: bool | None) -> str:
-    return "no budget" if ok is None else ("fits" if ok else "DOES NOT FIT")
+def _verdict(ok: bool | None, runs: bool | None = None) -> str:
+    return "no budget" if ok is None else ("fits" if ok else "tight: runs" if runs else "DOES NOT FIT")
 
 
 def _render_extras(train) -> str:
@@ -448,7 +457,8 @@ def render(spec: PipelineSpec, rows: list[StagePlan], limits: dict, budget: Budg
         lines.append(f"- {row.stage}:")
         if est.gpu_bytes and not cpu:
             lines.append(
-                f"    GPU  {_gib(est.gpu_bytes):>11}  {_verdict(row.gpu_fits):12}  {est.top_terms('gpu: ', 4)}"
+                f"    GPU  {_gib(est.gpu_bytes):>11}  {_verdict(row.gpu_fits, row.gpu_runs):12}  "
+                f"{est.top_terms('gpu: ', 4)}"
             )
             if row.gpu_fits is False and est.fields.get("gpu"):
                 lines.append(f"    {'':11}        to fit: {est.fields['gpu']}")
