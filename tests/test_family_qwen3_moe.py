@@ -52,7 +52,7 @@ def test_estimates_count_every_expert_and_route_each_token_through_k():
     assert load.breakdown["gpu: load transient (one layer's experts in 16 bits until quantized)"] == experts * 2
     # and quantizing them works on chunks of whole experts under 2^26 weights: 42 of 768 x 2048 (measured 1.06 GiB)
     assert load.breakdown["gpu: load transient (quantizing a chunk of experts)"] == 18 * 42 * i * h
-    assert 18.8 < load.gpu_bytes / _GIB < 19  # a 24 GiB card loads it (all 48 layers' experts at once: 70.7 GiB)
+    assert 18.3 < load.gpu_bytes / _GIB < 18.6  # a 24 GiB card loads it (all 48 layers' experts at once: 70.7 GiB)
     kwargs = dict(micro_batch=1, seq_len=2048, lora_r=16, checkpointing="unsloth", kernels=())
     seven = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     train = estimate_train(cfg, target_modules=seven, **kwargs)

@@ -39,15 +39,9 @@ _PROCESS_ANON_BYTES = int(1.60 * _GIB)
 # The caching allocator rounds blocks up and fragments, so reserved memory exceeds the tensors
 # alive; load and merge estimates carry 10% on top of what they count.
 _ALLOCATOR_SLACK = 0.10
-# What a CUDA process holds outside the caching allocator: the context, cuBLAS/cuDNN handles and
-# workspaces, loaded Triton modules (this process on the card, NVML per process, less allocator reserved), torch
-# 2.11 + CUDA 13: 0.79 GiB while training on an H100 (h100-2026-11-28-8b-6gib-whole-flow.json), 0.80 on an H200
-# (h200-2026-11-27-stored-layers-b.json), 0.80 with every library of a step loaded (h200-2026-11-28-context-probe.json).
-# The H100 grids of 2026-11-23/24 read 1.29 GiB because NVML's v1 memory info also counts the driver's reserved
-# memory (480 MiB on an H100, 615 on an H200), which is not in the card size a budget is a share of.
+# Held outside the caching allocator (context, cuBLAS, Triton modules; NVML per process less reserved), torch 2.11:
+# 0.79-0.80 GiB training, 0.60 loading, H100 and H200 (h200-2026-11-28-context-probe.json; NVML v1 adds the driver's).
 CUDA_CONTEXT_BYTES = int(0.82 * _GIB)
-# While loading, before cuBLAS and the Triton kernels are first used: 0.60 GiB measured (the same runs, and the H100
-# grid's loads with the reserve taken off).
 _LOAD_CONTEXT_BYTES = int(0.68 * _GIB)
 # Anonymous host memory of the loading process: 0.64 GiB in a bare worker, 0.72 GiB inside the flow.
 _LOAD_HOST_BYTES = int(0.73 * _GIB)
@@ -119,8 +113,7 @@ class Estimate:
     resident_gpu_bytes: int = 0
     # Part of gpu_bytes outside the caching allocator (the CUDA context and library workspaces).
     context_gpu_bytes: int = 0
-    # Part of gpu_bytes that allows for the caching allocator's fragmentation (reserved beyond allocated), not for
-    # tensors: under a budget's cap the allocator frees its cached blocks before it runs out (`guard.preflight`).
+    # Part of gpu_bytes allowing for allocator fragmentation, not tensors (a tight fit runs: `guard.preflight`).
     allowance_gpu_bytes: int = 0
 
     def top_terms(self, prefix: str, n: int = 3) -> str:
