@@ -63,7 +63,14 @@ def _varlen(batching: str | None) -> bool:
 
 
 def _train(
-    cfg: dict, micro_batch: int, seq_len: int, checkpointing, kernels, varlen: bool = True, cuda_graphs: bool = False
+    cfg: dict,
+    micro_batch: int,
+    seq_len: int,
+    checkpointing,
+    kernels,
+    varlen: bool = True,
+    cuda_graphs: bool = False,
+    stored_layers: int = 0,
 ) -> object:
     """The product's estimate for a measured cell; `varlen` as the cell ran (every row of this table did)."""
     return estimate_train(
@@ -76,6 +83,7 @@ def _train(
         kernels=kernels,
         varlen_attention=varlen,
         cuda_graphs=cuda_graphs,
+        stored_layers=stored_layers,
     )
 
 
@@ -215,11 +223,9 @@ def test_8b_completes_end_to_end_under_6_gib_with_the_preflight_on():
 WHOLE_FLOW_6GIB = tuple(TABLE.with_name(f"h100-2026-11-28{s}-8b-6gib-whole-flow.json") for s in ("", "b"))
 
 
-def _without_context(est: object) -> int:
-    """An estimate's GPU bytes less its context term: an `Estimate`, or one as a run report records it."""
-    if isinstance(est, dict):
-        return est["gpu_bytes"] - est["context_gpu_bytes"]
-    return est.gpu_bytes - est.context_gpu_bytes
+def _without_context(recorded: dict) -> int:
+    """The GPU bytes of an estimate as a run report records it, less its context term."""
+    return recorded["gpu_bytes"] - recorded["context_gpu_bytes"]
 
 
 @pytest.mark.parametrize("table", WHOLE_FLOW_6GIB, ids=lambda t: t.stem)
@@ -247,27 +253,16 @@ def test_8b_whole_flow_fits_a_6_gib_card_with_the_tables_in_host_memory(table):
     assert "micro-batch 1 needs" in run["lm_head"] and "with it on the GPU" in run["lm_head"]
     kernels = run_kernels(spec, "cuda", "llama", head_on_host=True)
     est = _train(cfg, 1, 2048, "unsloth", kernels)
-    stored = run["train"]["stored_layers"]
-    held = estimate_train(
-        cfg,
-        micro_batch=1,
-        seq_len=2048,
-        lora_r=16,
-        target_modules="all-linear",
-        checkpointing="unsloth",
-        kernels=kernels,
-        varlen_attention=True,
-        stored_layers=stored,
-    )
+    held = _train(cfg, 1, 2048, "unsloth", kernels, stored_layers=run["train"]["stored_layers"])
     # what the run's guard held to the budget, less the context term it replaced by its own (1.30 GiB in the first)
-    assert _without_context(held) == _without_context(sft["estimate"])
+    assert held.gpu_bytes - held.context_gpu_bytes == _without_context(sft["estimate"])
     assert _in_band(held.gpu_bytes, sft["peak_device_used"]), held.gpu_bytes / sft["peak_device_used"]
     assert est.breakdown["gpu: embeddings and lm_head"] == 0 and est.breakdown["host: lm_head (pinned)"] > 0
     # `head_on_host`'s rule: micro-batch 1 exceeds the card with the head on the GPU and needs less without it
     on_gpu = _train(cfg, 1, 2048, "unsloth", _KERNELS).gpu_bytes
     assert on_gpu > card and est.gpu_bytes < on_gpu - 0.9 * _GIB
     load = estimate_load_4bit(cfg, compute_dtype_bytes=2, host_tables=True)
-    assert _without_context(load) == _without_context(stages["load_4bit"]["estimate"])
+    assert load.gpu_bytes - load.context_gpu_bytes == _without_context(stages["load_4bit"]["estimate"])
     assert _in_band(load.gpu_bytes, stages["load_4bit"]["peak_device_used"])
     attach = stages["attach_lora"]
     context = attach["peak_device_used"] - attach["peak_gpu_reserved"] + _LAZY_LIBRARIES
@@ -337,17 +332,15 @@ def test_stored_layer_runs_hold_the_band_and_their_budget_on_the_card(run):
     train, rec = run["train"], run["stages"]["packed_sft"]
     assert run["rc"] == 0 and rec["outcome"] == "completed" and rec["attempts"] == 1
     graphs = bool(run["cuda_graphs"]) and "captured" in run["cuda_graphs"]
-    est = estimate_train(
+    est = _train(
         _config_8b(),
-        micro_batch=train["micro_batch_size"],
-        seq_len=2048,
-        lora_r=16,
-        target_modules="all-linear",
-        checkpointing=run["checkpointing"],
-        kernels=_KERNELS,
-        varlen_attention=_varlen(train["batching"]),
-        cuda_graphs=graphs,
-        stored_layers=train["stored_layers"],
+        train["micro_batch_size"],
+        2048,
+        run["checkpointing"],
+        _KERNELS,
+        _varlen(train["batching"]),
+        graphs,
+        train["stored_layers"],
     )
     assert _in_band(est.gpu_bytes, rec["peak_device_used"]), (est.gpu_bytes / rec["peak_device_used"], est.breakdown)
     assert run["device_peak_gib"] <= run["budget_gib"]

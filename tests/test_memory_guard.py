@@ -28,9 +28,9 @@ from slimtune.memory.downshift import (
     retry_on_memory_pressure,
 )
 from slimtune.memory.errors import MemoryPressure, PreflightError, classify, memory_state
-from slimtune.memory.estimate import Estimate
 from slimtune.memory.guard import GuardRecord, guarded, max_memory_with_headroom, preflight
 from slimtune.memory.sampler import PeakSampler
+from slimtune.memory.stage_estimate import Estimate
 from slimtune.report.memory_report import artifact_key, publish_memory_report, publish_task_report
 from slimtune.report.run_report import render_memory_markdown
 
@@ -237,7 +237,7 @@ def test_a_gpu_estimate_over_the_budget_by_no_more_than_its_fragmentation_allowa
         LLAMA_8B, micro_batch=1, seq_len=2048, lora_r=16, target_modules="all-linear", checkpointing="unsloth"
     )
     allowance = est.breakdown["gpu: allocator fragmentation"]
-    assert est.allowance_gpu_bytes == allowance > 0.5 * _GIB
+    assert est.allowance() == allowance > 0.5 * _GIB
     card: list[int] = []
     where = "in the budget on cuda:0 (device-wide: context included)"
     monkeypatch.setattr(guard_module, "_gpu_checks", lambda est, dev, budget: [(est.gpu_bytes, card[0], where)])

@@ -79,7 +79,7 @@ def test_a_card_that_holds_the_tensors_but_not_the_fragmentation_allowance_is_a_
     rows, limits = plan(spec, LLAMA_8B, Budget(6 * _GIB, 0.95, 16 * _GIB))
     sft = next(r for r in rows if r.stage == "packed_sft")
     assert sft.gpu_fits is False and sft.gpu_runs is True
-    assert sft.estimate.gpu_bytes - sft.estimate.allowance_gpu_bytes <= 0.95 * 6 * _GIB < sft.estimate.gpu_bytes
+    assert sft.estimate.gpu_bytes - sft.estimate.allowance() <= 0.95 * 6 * _GIB < sft.estimate.gpu_bytes
     text = render(spec, rows, limits, Budget(6 * _GIB, 0.95, 16 * _GIB))
     assert "tight: runs" in text and "DOES NOT FIT" not in text
     path = tmp_path / "spec.yaml"

@@ -13,13 +13,13 @@ from slimtune.memory.downshift import (
 )
 from slimtune.memory.errors import MemoryPressure, PreflightError, classify
 from slimtune.memory.estimate import (
-    Estimate,
     estimate_export,
     estimate_load_4bit,
     estimate_merge,
     estimate_train,
 )
 from slimtune.memory.guard import GuardRecord, guarded, max_memory_with_headroom, preflight
+from slimtune.memory.stage_estimate import Estimate
 
 __all__ = [
     "DownshiftExhausted",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from dataclasses import dataclass, field
 from typing import Any
 
 from slimtune.core.gguf_types import GGUF_TYPES
@@ -23,6 +22,7 @@ from slimtune.memory.activations import (
     varlen_bytes_per_token_layer,
 )
 from slimtune.memory.model_shape import ModelShape, model_shape
+from slimtune.memory.stage_estimate import FRAGMENTATION_TERM, Estimate
 from slimtune.models.lora_targets import canonical_targets
 
 _GIB = 1024**3
@@ -46,7 +46,6 @@ _LOAD_CONTEXT_BYTES = int(0.68 * _GIB)
 # Anonymous host memory of the loading process: 0.64 GiB in a bare worker, 0.72 GiB inside the flow.
 _LOAD_HOST_BYTES = int(0.73 * _GIB)
 _CONTEXT_TERM = "CUDA context and libraries (outside the allocator)"
-_FRAGMENTATION_TERM = "allocator fragmentation"
 # Training: with expandable segments (slimtune.core.device) reserved stays close to allocated, and what remains
 # grows with the step's short-lived tensors (the activation and loss terms). Measured reserved - allocated
 # over the grid: 0.02-0.57 GiB with the fused kernels and standard checkpointing, up to 2.6 GiB at 4 x 8192
@@ -100,31 +99,6 @@ _NESTED_BLOCK = 256
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@dataclass(frozen=True)
-class Estimate:
-    """Bytes a stage needs, per resource, with the terms behind them and the spec field to change."""
-
-    gpu_bytes: int
-    host_bytes: int
-    disk_bytes: int
-    breakdown: dict[str, int] = field(default_factory=dict)
-    fields: dict[str, str] = field(default_factory=dict)
-    # Part of gpu_bytes an earlier stage already holds on the device (the NF4 model during training).
-    resident_gpu_bytes: int = 0
-    # Part of gpu_bytes outside the caching allocator (the CUDA context and library workspaces).
-    context_gpu_bytes: int = 0
-    # Part of gpu_bytes allowing for allocator fragmentation, not tensors (a tight fit runs: `guard.preflight`).
-    allowance_gpu_bytes: int = 0
-
-    def top_terms(self, prefix: str, n: int = 3) -> str:
-        """The largest `n` breakdown terms for one resource, in GiB, for error messages."""
-        terms = sorted(
-            ((k.removeprefix(prefix), v) for k, v in self.breakdown.items() if k.startswith(prefix)),
-            key=lambda kv: -kv[1],
-        )
-        return ", ".join(f"{k} {v / _GIB:.2f} GiB" for k, v in terms[:n])
-
-
 def _nf4_bytes(n: int, double_quant: bool) -> int:
     """Bytes bitsandbytes stores for one 4-bit linear of `n` weights (packed data + quant state)."""
     blocks = math.ceil(n / _NF4_BLOCK)
@@ -161,7 +135,6 @@ def _estimate(
         gpu_bytes=sum(gpu.values()),
         resident_gpu_bytes=resident,
         context_gpu_bytes=gpu.get(_CONTEXT_TERM, 0),
-        allowance_gpu_bytes=gpu.get(_FRAGMENTATION_TERM, 0),
         host_bytes=sum(host.values()),
         disk_bytes=sum(disk.values()),
         breakdown={**_prefixed("gpu: ", gpu), **_prefixed("host: ", host), **_prefixed("disk: ", disk)},
@@ -413,7 +386,7 @@ def estimate_train(
         for k, v in gpu.items()
         if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS + _GRAPH_TERMS + (_FORWARD_TERM,)
     )
-    gpu[_FRAGMENTATION_TERM] = int(churn * share) + _FRAGMENTATION_FLOOR + int(host_table * _HOST_TABLE_FRAGMENTATION)
+    gpu[FRAGMENTATION_TERM] = int(churn * share) + _FRAGMENTATION_FLOOR + int(host_table * _HOST_TABLE_FRAGMENTATION)
     if on_gpu:
         gpu[_CONTEXT_TERM] = CUDA_CONTEXT_BYTES
     checkpoint = lora * (4 + optimizer_bytes_per_param)

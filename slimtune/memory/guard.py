@@ -25,8 +25,8 @@ from slimtune.memory.clean import clean_memory
 from slimtune.memory.device_usage import outside_allocator_bytes
 from slimtune.memory.downshift import current_attempt
 from slimtune.memory.errors import PreflightError, classify, memory_state, to_memory_pressure
-from slimtune.memory.estimate import Estimate
 from slimtune.memory.sampler import PeakSampler
+from slimtune.memory.stage_estimate import Estimate
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,8 @@ def preflight(
     the host estimate. With `budget_bytes` the GPU check uses the smaller of the device's free
     memory and what is left of the budget.
 
-    A GPU estimate over by no more than its allowance for allocator fragmentation (`Estimate.allowance_gpu_bytes`)
-    runs, with a warning: its tensors fit, and the capped allocator frees its cached blocks before it runs out. The
+    A GPU estimate over by no more than its allowance for allocator fragmentation (`Estimate.runs_in`) runs, with a
+    warning: its tensors fit, and the capped allocator frees its cached blocks before it runs out. The
     estimate is never under what a run holds, so without this a card within that allowance of the run's need (1B at
     1 x 2048: estimated 2.43 GiB where it held 2.23-2.35) would be refused; running out still retries downshifted.
 
@@ -139,8 +139,8 @@ def preflight(
     checks: list[tuple[str, int, int, str, str, str]] = []
     if dev.type == "cuda":
         for need, free, where in _gpu_checks(est, dev, budget_bytes):
-            if free < need <= free + est.allowance_gpu_bytes:
-                log.warning(_tight(stage, need, free, where, est.allowance_gpu_bytes))
+            if need > free and est.runs_in(free, need):
+                log.warning(_tight(stage, need, free, where, est.allowance()))
                 continue
             checks.append(("GPU memory", need, free, where, est.top_terms("gpu: "), gpu_field or "the budget"))
         host_need, host_terms = est.host_bytes, est.top_terms("host: ")

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slimtune.memory.estimate import Estimate, estimate_export, estimate_load_4bit, estimate_merge, estimate_train
+from slimtune.memory.estimate import estimate_export, estimate_load_4bit, estimate_merge, estimate_train
+from slimtune.memory.stage_estimate import Estimate
 from slimtune.models.multimodal import copied_bytes, layout_of, trained_config
 from slimtune.models.source import config_dtype
 from slimtune.spec.schema import PipelineSpec
@@ -52,10 +53,10 @@ class Budget:
         return None if card is None else est.gpu_bytes <= card
 
     def gpu_runs(self, est: Estimate) -> bool | None:
-        """Whether the guard lets `est` run on the card: it fits, or exceeds it by no more than its allowance for
-        allocator fragmentation (a tight fit, `guard.preflight`). None when there is no GPU budget."""
+        """Whether the guard lets `est` run on the card, a tight fit included (`Estimate.runs_in`); None when there is
+        no GPU budget."""
         card = self.card_bytes()
-        return None if card is None else est.gpu_bytes - est.allowance_gpu_bytes <= card
+        return None if card is None else est.runs_in(card)
 
     def host_fits(self, est: Estimate) -> bool | None:
         return None if self.host is None else est.host_bytes <= self.host

@@ -17,8 +17,8 @@ import torch
 
 from slimtune.kernels.apply import expected_kernels
 from slimtune.memory.downshift import DownshiftExhausted, TrainShift, downshift_train
-from slimtune.memory.estimate import Estimate
 from slimtune.memory.model_shape import model_shape
+from slimtune.memory.stage_estimate import Estimate
 from slimtune.models.families import FAMILIES
 from slimtune.models.graph_replay import replay_refusal
 from slimtune.plan.fit import auto_micro_batch, train_estimate
