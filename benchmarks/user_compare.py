@@ -72,7 +72,19 @@ from slimtune.models.families import FAMILIES
 USER_TOOLS = ("slimtune", *trl_sft.TOOLS)
 TOOLS = (*USER_TOOLS, "bf16_experts")
 _MIN_START_S = 30  # a tool is not started with less of the budget left than this
-_SETTINGS = ("model", "tools", "device", "batch", "seq", "steps", "warmup", "gpu_budget_gib", "match_card_of", "lora_r")
+_SETTINGS = (
+    "model",
+    "tools",
+    "device",
+    "batch",
+    "seq",
+    "steps",
+    "warmup",
+    "gpu_budget_gib",
+    "match_card_of",
+    "lora_r",
+    "set",
+)
 LOSS_TOLERANCE = 0.01  # issue 43: NF4 experts' loss within 1% of the bf16-expert reference's at every step
 
 
@@ -159,6 +171,7 @@ def slimtune_row(args: argparse.Namespace, root: Path, logs: Path, timeout: floa
     run_dir = root / "runs" / spec["name"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a re-run must not resume or reuse the previous run
     cmd = [sys.executable, "-m", "slimtune.cli.main", "run", str(spec_path)]
+    cmd += [arg for field in args.set for arg in ("--set", field)]
     proc = run_process(cmd, timeout, logs / "slimtune.log")
     row = _base_row(args, "slimtune", proc)
     train_path = run_dir / "train_report.json"
@@ -344,6 +357,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         choices=trl_sft.TOOLS,
         help="run that tool first and hold slimtune to the card peak it measured (the same memory: who is faster)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="slimtune's spec field (`slimtune run --set`, repeatable), e.g. train.cuda_graphs=false",
     )
     p.add_argument("--budget-s", type=float, default=500.0, help="the whole command, model build included")
     p.add_argument("--root", default="/tmp/user-compare", help="scratch: the saved model, the data, the runs")

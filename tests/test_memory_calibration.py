@@ -91,6 +91,13 @@ def _in_band(estimate: int, measured: int, band: tuple[float, float] = BAND) -> 
     return band[0] <= estimate / measured <= band[1]
 
 
+def _tight_fit_holds(est, used: int, reserved: int, allocated: int) -> bool:
+    """The tight-fit rule (`Estimate.runs_in`) is safe for a measured cell: less its fragmentation allowance, the
+    estimate still covers what a capped allocator cannot free, the tensors and the context (the card's use less what
+    was reserved beyond allocated)."""
+    return est.tensors().gpu_bytes >= used - (reserved - allocated)
+
+
 def test_the_table_covers_the_grid_the_issue_names():
     cells = {
         (r["model"], r["kernels"], r["micro_batch"], r["seq_len"], str(r["checkpointing"]))
@@ -115,6 +122,7 @@ def _cell_estimate(row: dict) -> object:
 def test_train_gpu_estimate_holds_every_measured_cell(row):
     est, used = _cell_estimate(row), _process_used(row["peak_device_used"], row["total"])
     assert _in_band(est.gpu_bytes, used), (est.gpu_bytes / used, est.breakdown)
+    assert _tight_fit_holds(est, used, row["peak_reserved"], row["peak_allocated"]), est.breakdown
     # The weights are counted once: as resident, which preflight subtracts when they are already here.
     assert est.resident_gpu_bytes < est.gpu_bytes and est.context_gpu_bytes > 0
 
@@ -137,6 +145,7 @@ def test_train_gpu_estimate_with_cuda_graphs_holds_every_graphed_cell(row):
     pool comes on top of either (`slimtune.memory.estimate`)."""
     est, used = _cell_estimate(row), _process_used(row["peak_device_used"], row["total"])
     assert _in_band(est.gpu_bytes, used), (est.gpu_bytes / used, est.breakdown)
+    assert _tight_fit_holds(est, used, row["peak_reserved"], row["peak_allocated"]), est.breakdown
 
 
 @pytest.mark.parametrize("row", _measured("load_4bit"), ids=_id)
@@ -219,8 +228,12 @@ def test_8b_completes_end_to_end_under_6_gib_with_the_preflight_on():
     assert est.gpu_bytes - est.context_gpu_bytes > budget - 0.5 * _GIB
 
 
-# The second run is the first's command after the context term fell from 1.30 to 0.82 GiB: it stored one layer.
-WHOLE_FLOW_6GIB = tuple(TABLE.with_name(f"h100-2026-11-28{s}-8b-6gib-whole-flow.json") for s in ("", "b"))
+# The second run is the first's command after the context term fell from 1.30 to 0.82 GiB: it stored one layer. The
+# third (an H200) after CUDA graphs became a tight-fit choice: it captured them and stored none.
+WHOLE_FLOW_6GIB = (
+    *(TABLE.with_name(f"h100-2026-11-28{s}-8b-6gib-whole-flow.json") for s in ("", "b")),
+    TABLE.with_name("h200-2026-11-28c-8b-6gib-whole-flow.json"),
+)
 
 
 def _without_context(recorded: dict) -> int:
@@ -234,7 +247,8 @@ def test_8b_whole_flow_fits_a_6_gib_card_with_the_tables_in_host_memory(table):
     card"): every stage held at most 6 GiB of the card, sampled from outside too, and wrote the f16 GGUF. The plan
     the run logged is the one `resolve_train` makes for that card (the head in host memory), its load and training
     estimates hold the stages, and so does the training estimate with the context this process measurably held when
-    packed_sft's preflight ran (`outside_allocator_bytes`: attach_lora's record, plus what a step loads later)."""
+    packed_sft's preflight ran (`outside_allocator_bytes`: attach_lora's record, plus what a step loads later). The
+    H200 run captured CUDA graphs as a tight fit: their estimate over the card by less than its fragmentation share."""
     from slimtune.memory.device_usage import _LAZY_LIBRARIES
 
     run = json.loads(table.read_text())["e2e"][0]
@@ -253,10 +267,12 @@ def test_8b_whole_flow_fits_a_6_gib_card_with_the_tables_in_host_memory(table):
     assert "micro-batch 1 needs" in run["lm_head"] and "with it on the GPU" in run["lm_head"]
     kernels = run_kernels(spec, "cuda", "llama", head_on_host=True)
     est = _train(cfg, 1, 2048, "unsloth", kernels)
-    held = _train(cfg, 1, 2048, "unsloth", kernels, stored_layers=run["train"]["stored_layers"])
+    graphs = "captured" in (run["cuda_graphs"] or "")
+    held = _train(cfg, 1, 2048, "unsloth", kernels, cuda_graphs=graphs, stored_layers=run["train"]["stored_layers"])
     # what the run's guard held to the budget, less the context term it replaced by its own (1.30 GiB in the first)
     assert held.gpu_bytes - held.context_gpu_bytes == _without_context(sft["estimate"])
     assert _in_band(held.gpu_bytes, sft["peak_device_used"]), held.gpu_bytes / sft["peak_device_used"]
+    assert _tight_fit_holds(held, sft["peak_device_used"], sft["peak_gpu_reserved"], sft["peak_gpu_allocated"])
     assert est.breakdown["gpu: embeddings and lm_head"] == 0 and est.breakdown["host: lm_head (pinned)"] > 0
     # `head_on_host`'s rule: micro-batch 1 exceeds the card with the head on the GPU and needs less without it
     on_gpu = _train(cfg, 1, 2048, "unsloth", _KERNELS).gpu_bytes
@@ -268,7 +284,7 @@ def test_8b_whole_flow_fits_a_6_gib_card_with_the_tables_in_host_memory(table):
     context = attach["peak_device_used"] - attach["peak_gpu_reserved"] + _LAZY_LIBRARIES
     guarded = held.gpu_bytes - held.context_gpu_bytes + context
     assert _in_band(guarded, sft["peak_device_used"]), guarded / sft["peak_device_used"]
-    assert guarded <= card
+    assert held.runs_in(card, guarded)  # the guard's preflight: within the card, or a tight fit (the graphed run)
 
 
 def test_the_allocator_setting_took_effect_and_the_cap_held():
@@ -343,4 +359,5 @@ def test_stored_layer_runs_hold_the_band_and_their_budget_on_the_card(run):
         train["stored_layers"],
     )
     assert _in_band(est.gpu_bytes, rec["peak_device_used"]), (est.gpu_bytes / rec["peak_device_used"], est.breakdown)
+    assert _tight_fit_holds(est, rec["peak_device_used"], rec["peak_gpu_reserved"], rec["peak_gpu_allocated"])
     assert run["device_peak_gib"] <= run["budget_gib"]

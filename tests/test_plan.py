@@ -9,7 +9,7 @@ import pytest
 from model_configs import LLAMA_8B
 
 from slimtune.cli.sizes import parse_size
-from slimtune.plan.fit import Budget, auto_micro_batch, micro_batch_candidates, plan, render
+from slimtune.plan.fit import Budget, auto_micro_batch, micro_batch_candidates, plan, render, train_estimate
 from slimtune.spec.schema import parse_spec
 
 _GIB = 1024**3
@@ -33,7 +33,7 @@ def _spec(tmp_path: Path, **train):
     )
 
 
-def test_16_gib_card_fits_the_8b_run_6_gib_micro_batch_1_and_5_5_gib_nothing(tmp_path):
+def test_16_gib_card_fits_the_8b_run_6_gib_micro_batch_1_and_5_25_gib_nothing(tmp_path):
     spec = _spec(tmp_path)
     rows, limits = plan(spec, LLAMA_8B, Budget(16 * _GIB, None, 16 * _GIB))
     verdicts = {r.stage: r.gpu_fits for r in rows}
@@ -42,13 +42,16 @@ def test_16_gib_card_fits_the_8b_run_6_gib_micro_batch_1_and_5_5_gib_nothing(tmp
     assert limits["largest_seq_len"] >= 2048
     text = render(spec, rows, limits, Budget(16 * _GIB, None, 16 * _GIB))
     assert "packed_sft" in text and "largest micro-batch" in text and "DOES NOT FIT" not in text
-    # 6 GiB: the spec's 4 x 2048 does not fit; micro-batch 1 does with the lm_head in host memory (an H100 held to
-    # 6 GiB trained it holding 5.34 GiB of the card); 5.5 GiB holds not even that (weights, LoRA state and context).
+    # 6 GiB: the spec's 4 x 2048 does not fit; with the lm_head in host memory micro-batch 1 does (an H100 held to
+    # 6 GiB trained it holding 5.34 GiB of the card, 4.52 allocated) and 2 runs as a tight fit; on 5.5 GiB micro-batch
+    # 1 is a tight fit, and 5.25 GiB holds not even that (weights, LoRA state and context).
     rows, limits = plan(spec, LLAMA_8B, Budget(6 * _GIB, None, 16 * _GIB))
     assert not {r.stage: r.gpu_fits for r in rows}["packed_sft"]
-    assert limits["largest_micro_batch"] == 1 and limits["extras"].head_note
-    rows, limits = plan(spec, LLAMA_8B, Budget(int(5.5 * _GIB), None, 16 * _GIB))
-    assert limits["largest_micro_batch"] is None
+    assert limits["largest_micro_batch"] == 2 and limits["extras"].head_note
+    two = train_estimate(spec, LLAMA_8B, 2, "unsloth", "cuda", head_on_host=True)
+    assert two.gpu_bytes > 6 * _GIB >= two.tensors().gpu_bytes
+    assert plan(spec, LLAMA_8B, Budget(int(5.5 * _GIB), None, 16 * _GIB))[1]["largest_micro_batch"] == 1
+    assert plan(spec, LLAMA_8B, Budget(int(5.25 * _GIB), None, 16 * _GIB))[1]["largest_micro_batch"] is None
 
 
 def test_budget_fraction_is_a_card_of_that_size(tmp_path):
@@ -104,6 +107,10 @@ def test_auto_takes_the_largest_divisor_that_fits_and_keeps_the_effective_batch(
     assert (mb, accum) == (4, 3) and "the first divisor of 8192 tokens or more" in note
     assert auto_micro_batch(train, lambda mb: mb <= 3, 2048)[:2] == (3, 4)
     assert auto_micro_batch(train, lambda mb: True, 512)[:2] == (12, 1)  # 12 x 512 tokens: none reaches 8192
+    # the largest micro-batch that runs with CUDA graphs first, where any does; else the largest without them
+    mb, accum, note = auto_micro_batch(train, lambda mb: mb <= 6, None, lambda mb: mb <= 3)
+    assert (mb, accum) == (3, 4) and "with CUDA graphs" in note
+    assert auto_micro_batch(train, lambda mb: mb <= 6, None, lambda mb: False)[:2] == (6, 2)
 
 
 def test_auto_in_the_plan_reports_the_choice(tmp_path):
@@ -112,8 +119,15 @@ def test_auto_in_the_plan_reports_the_choice(tmp_path):
     assert limits["largest_micro_batch"] >= 8
     # 4 x 2048 tokens keep the GPU busy: the rest of the budget goes to stored layers
     assert limits["micro_batch"] == 4 and limits["extras"].stored_layers > 0
+    # without stored layers: the largest micro-batch that runs with CUDA graphs, below the largest that runs at all
     fixed = _spec(tmp_path, micro_batch_size="auto", effective_batch_size=16, stored_layers=0)
-    assert plan(fixed, LLAMA_8B, Budget(16 * _GIB, None, None))[1]["micro_batch"] == limits["largest_micro_batch"]
+    unstored = plan(fixed, LLAMA_8B, Budget(16 * _GIB, None, None))[1]
+    graphed = [
+        mb
+        for mb in (1, 2, 4, 8, 16)
+        if Budget(16 * _GIB, None, None).gpu_runs(train_estimate(fixed, LLAMA_8B, mb, "unsloth", "cuda", True))
+    ]
+    assert unstored["extras"].cuda_graphs and unstored["micro_batch"] == max(graphed) < limits["largest_micro_batch"]
 
 
 @pytest.mark.parametrize("bad", [0, 5000, "big"])

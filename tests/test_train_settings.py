@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from model_configs import LLAMA_8B
+from model_configs import LLAMA_1B, LLAMA_8B
 
 from slimtune.memory.downshift import DownshiftExhausted
 from slimtune.plan.fit import Budget, plan, train_estimate
@@ -95,10 +95,11 @@ def test_the_flow_decides_fitting_only_inside_resolve_train():
 
 
 def test_auto_picks_the_largest_divisor_whose_estimate_fits(tmp_path):
-    spec = _spec(tmp_path, micro_batch_size="auto", effective_batch_size=12)
+    spec = _spec(tmp_path, micro_batch_size="auto", effective_batch_size=12, cuda_graphs=False)
     at = {mb: train_estimate(spec, LLAMA_8B, mb, "unsloth", "cuda").gpu_bytes for mb in (4, 6)}
-    assert at[4] < at[6]
-    limit = (at[4] + at[6]) // 2  # 6 does not fit, 4 does
+    six = train_estimate(spec, LLAMA_8B, 6, "unsloth", "cuda").tensors().gpu_bytes
+    assert at[4] < six
+    limit = (at[4] + six) // 2  # 6 does not run, not even as a tight fit; 4 fits
 
     settings = resolve_train(spec, LLAMA_8B, "cuda", fits=lambda est: est.gpu_bytes <= limit)
     assert (settings.micro_batch, settings.grad_accum) == (4, 3)
@@ -133,6 +134,41 @@ def test_graphs_are_on_where_their_estimate_fits_and_off_on_a_retry(tmp_path):
     assert (retry.micro_batch, retry.grad_accum, retry.checkpointing) == (2, 2, "unsloth")
     assert not retry.cuda_graphs and retry.graphs_off == "a retry after running out of memory"
     assert len(retry.downshift_notes) == 1 and retry.downshift_notes[0].startswith("attempt 2: ")
+
+
+def test_auto_takes_the_graphs_before_a_larger_micro_batch_and_a_tight_fit_for_either(tmp_path):
+    """1B at an effective batch of 4 x 2048 on Unsloth's 2.98 GiB card (H200, 2026-11-28): neither 4 x 1 nor 2 x 2
+    with graphs runs there, 1 x 4 with them does (26,634 tokens/s, where 2 x 2 without them trained 22,925). Without
+    graphs the largest micro-batch whose tensors fit runs as a tight fit; a fixed one gets graphs where only their
+    tensors fit; no layer is stored into the fragmentation allowance."""
+    spec = _spec(tmp_path, micro_batch_size="auto", effective_batch_size=4)
+    card = int(2.98 * 2**30)
+
+    def fits(est):
+        return est.gpu_bytes <= card
+
+    def at(mb: int, graphs: bool, stored: int = 0):
+        return train_estimate(spec, LLAMA_1B, mb, "unsloth", "cuda", graphs, stored)
+
+    assert not fits(at(4, False).tensors()) and not fits(at(2, True).tensors()) and fits(at(1, True).tensors())
+    settings = resolve_train(spec, LLAMA_1B, "cuda", fits=fits)
+    assert (settings.micro_batch, settings.grad_accum, settings.cuda_graphs) == (1, 4, True)
+    assert settings.auto_note.endswith("the largest divisor whose estimate with CUDA graphs runs on the budget")
+    assert fits(settings.estimate)  # the stored layers, chosen on the whole estimate
+
+    plain = _spec(tmp_path, micro_batch_size="auto", effective_batch_size=4, cuda_graphs=False)
+    four = at(4, False)
+    between = (four.tensors().gpu_bytes + four.gpu_bytes) // 2
+    tight = resolve_train(plain, LLAMA_1B, "cuda", fits=lambda est: est.gpu_bytes <= between)
+    assert (tight.micro_batch, tight.grad_accum) == (4, 1) and not tight.cuda_graphs
+    assert tight.estimate.runs_in(between) and tight.estimate.gpu_bytes > between
+    assert tight.stored_layers == 0 and at(4, False, 1).gpu_bytes > between
+
+    two = _spec(tmp_path, micro_batch_size=2, gradient_accumulation_steps=2)
+    graphed = at(2, True)
+    between = (graphed.tensors().gpu_bytes + graphed.gpu_bytes) // 2
+    graphs = resolve_train(two, LLAMA_1B, "cuda", fits=lambda est: est.gpu_bytes <= between)
+    assert graphs.cuda_graphs and graphs.estimate.runs_in(between) and graphs.estimate.gpu_bytes > between
 
 
 def test_linear_attention_layers_count_their_larger_activations(tmp_path):
@@ -195,10 +231,11 @@ def test_stored_layers_take_what_the_budget_has_left_after_the_graphs(tmp_path):
     assert everything.stored_layers == 32 and not everything.cuda_graphs
     assert everything.estimate == train_estimate(spec, LLAMA_8B, 4, "unsloth", "cuda", False, 32)
 
-    # no room for the graphs: the layers get what there is, without them
+    # no room for the graphs' tensors: the layers get what there is, without them
+    room = train_estimate(spec, LLAMA_8B, 4, "unsloth", "cuda", True).tensors().gpu_bytes
     bare = [train_estimate(spec, LLAMA_8B, 4, "unsloth", "cuda", False, n).gpu_bytes for n in range(33)]
-    expected = max(n for n in range(33) if bare[n] < at[0])
-    tight = resolve_train(spec, LLAMA_8B, "cuda", fits=lambda est: est.gpu_bytes < at[0])
+    expected = max(n for n in range(33) if bare[n] < room)
+    tight = resolve_train(spec, LLAMA_8B, "cuda", fits=lambda est: est.gpu_bytes < room)
     assert not tight.cuda_graphs and tight.stored_layers == expected >= 1
 
     assert resolve_train(spec, LLAMA_8B, "cuda", attempt=2).stored_layers == 0
@@ -307,4 +344,5 @@ def test_the_lm_head_goes_to_host_memory_only_where_micro_batch_1_does_not_fit_t
     rows, limits = plan(spec, LLAMA_8B, Budget(gpu_total=small, gpu_fraction=None, host=None))
     load = next(r.estimate for r in rows if r.stage == "load_4bit")
     assert load.breakdown["gpu: embeddings and lm_head"] == 0 and limits["extras"].head_note
-    assert limits["largest_micro_batch"] == 1 and limits["largest_seq_len"] >= 2048  # with the head where it will be
+    # with the head where it will be; micro-batch 2 is a tight fit there (its tensors fit, not its whole estimate)
+    assert limits["largest_micro_batch"] == 2 and limits["largest_seq_len"] >= 2048

@@ -185,3 +185,21 @@ def test_a_row_is_ok_only_with_every_step_and_a_finite_loss(steps: int, losses: 
     row = user_compare._check_steps(row, 20)
     assert row["status"] == ("ok" if error is None else "error")
     assert error is None or error in row["error"]
+
+
+def test_set_passes_spec_fields_through_to_slimtune_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--set` reaches `slimtune run` as its own `--set`s, in order, and is kept in the result's settings."""
+    argv = "--model tiny --device cpu --set train.cuda_graphs=false --set train.micro_batch_size=2".split()
+    args = user_compare.parse_args(argv)
+    (tmp_path / "model-tiny").mkdir()
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    commands = []
+
+    def run_process(cmd, timeout, log):
+        commands.append(cmd)
+        return {"rc": 2, "wall_s": 0.1, "host_rss_peak": 0, "card_peak": None, "tail": "slimtune: error: stopped here"}
+
+    monkeypatch.setattr(user_compare, "run_process", run_process)
+    row = user_compare.slimtune_row(args, tmp_path, tmp_path, 10.0)
+    assert commands[0][-4:] == ["--set", "train.cuda_graphs=false", "--set", "train.micro_batch_size=2"]
+    assert row["status"] == "error" and "set" in user_compare._SETTINGS

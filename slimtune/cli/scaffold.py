@@ -23,7 +23,7 @@ from slimtune.models.families import FAMILIES, check_architecture
 from slimtune.models.multimodal import layout_of, trained_config
 from slimtune.models.source import read_config
 from slimtune.models.tiny import ensure_builtin, is_builtin
-from slimtune.plan.fit import GPU_BOUND_TOKENS, Budget, detected_gpu_total, plan
+from slimtune.plan.fit import Budget, detected_gpu_total, plan
 from slimtune.spec.schema import DEFAULT_TARGETS, DataSpec, ModelSpec, PipelineSpec, SpecError, TrainSpec, parse_spec
 
 _GIB = 1024**3
@@ -105,15 +105,8 @@ def _propose_micro_batch(spec: PipelineSpec, cfg: dict, gpu_total: int | None) -
     mb, seq, card = limits["micro_batch"], spec.data.max_seq_length, f"{gpu_total / _GIB:.1f} GiB"
     if limits["largest_micro_batch"] is None:
         return mb, f"even {mb} x {seq} is estimated at {est.gpu_bytes / _GIB:.2f} GiB, over {card}"
-    if mb < limits["largest_micro_batch"]:  # `auto` stops where the GPU is busy and stores layers with the rest
-        return mb, (
-            f"the first divisor of {_TARGET_BATCH} of {GPU_BOUND_TOKENS} tokens or more, as in `slimtune plan`: "
-            f"{est.gpu_bytes / _GIB:.2f} GiB; the rest of {card} keeps layers' activations (train.stored_layers)"
-        )
-    return mb, (
-        f"largest divisor of {_TARGET_BATCH} whose estimate fits {card}, as in `slimtune plan`: "
-        f"{est.gpu_bytes / _GIB:.2f} GiB"
-    )
+    tight = "" if budget.gpu_fits(est) else ", a tight fit: its tensors fit"
+    return mb, f"{limits['extras'].auto_note}, as in `slimtune plan`: {est.gpu_bytes / _GIB:.2f} GiB on {card}{tight}"
 
 
 def _spec_path(path: Path) -> str:

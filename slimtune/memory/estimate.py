@@ -60,7 +60,11 @@ _FRAGMENTATION_EAGER = 0.36
 _FUSED_ACTIVATION_KERNELS = frozenset({"lora_nf4", "rms_norm"})
 _FUSED_STORED = 0.68
 _FUSED_RECOMPUTE = 0.9
+# A floor under the fragmentation share, a term of its own: the tensors' terms count up to 0.14 GiB short of the peak
+# allocated plus context in 15 of the 46 cells (mb 1 most: Qwen2.5-7B 1 x 2048), so a tight fit
+# (`Estimate.runs_in`) gives up the share alone and keeps this (tests/test_memory_calibration.py holds both).
 _FRAGMENTATION_FLOOR = int(0.2 * _GIB)
+_FLOOR_TERM = "allocator rounding and small tensors (floor)"
 # With the input table in host memory, reserved - allocated runs above the tied 1B's at the same tokens
 # (8B at 4 x 2048: 0.57 vs 0.02 GiB offloaded; 0.25-0.41 vs 0.06-0.16 GiB with standard checkpointing).
 # Measured, not yet explained: a quarter of the table covers it.
@@ -386,7 +390,8 @@ def estimate_train(
         for k, v in gpu.items()
         if k not in _STATE_TERMS + _WEIGHT_TERMS + _STORED_TERMS + _GRAPH_TERMS + (_FORWARD_TERM,)
     )
-    gpu[FRAGMENTATION_TERM] = int(churn * share) + _FRAGMENTATION_FLOOR + int(host_table * _HOST_TABLE_FRAGMENTATION)
+    gpu[FRAGMENTATION_TERM] = int(churn * share) + int(host_table * _HOST_TABLE_FRAGMENTATION)
+    gpu[_FLOOR_TERM] = _FRAGMENTATION_FLOOR
     if on_gpu:
         gpu[_CONTEXT_TERM] = CUDA_CONTEXT_BYTES
     checkpoint = lora * (4 + optimizer_bytes_per_param)

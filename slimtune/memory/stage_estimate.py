@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 _GIB = 1024**3
 # The term of a GPU estimate that allows for the caching allocator's fragmentation (reserved beyond allocated)
@@ -34,6 +34,10 @@ class Estimate:
     def runs_in(self, free: int, need: int | None = None) -> bool:
         """Whether `need` (gpu_bytes by default) fits `free`, or is over by no more than the fragmentation allowance."""
         return (self.gpu_bytes if need is None else need) - self.allowance() <= free
+
+    def tensors(self) -> Estimate:
+        """This estimate less its fragmentation allowance: what must fit for the stage to run (`runs_in`)."""
+        return replace(self, gpu_bytes=self.gpu_bytes - self.allowance())
 
     def allowance(self) -> int:
         """GPU bytes allowing for allocator fragmentation, not tensors: a capped allocator frees them from its cache."""

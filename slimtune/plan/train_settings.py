@@ -174,19 +174,31 @@ def resolve_train(
         DownshiftExhausted: `attempt` is past the last downshift.
     """
     fits = fits or (lambda est: True)
+
+    def runs(est: Estimate) -> bool:
+        """A tight fit runs (`guard.preflight`): the micro-batch and the graphs, each worth far more than the
+        fragmentation allowance costs, are chosen on it; stored layers, worth about 1% of a step each, keep it."""
+        return fits(est.tensors())
+
     train, ckpt = spec.train, spec.lora.gradient_checkpointing
     head_note = _head_note(spec, cfg, device_type, card)
     host_head = head_note is not None
+    refusal = replay_refusal(cfg)  # layers the runtime never captures: their pool is not planned for
     micro_batch, grad_accum, auto_note = train.micro_batch_size, train.gradient_accumulation_steps, None
     if micro_batch == "auto":
         # memory beyond a GPU-bound micro-batch goes to stored layers where they can take it
         to_stored = (
             device_type == "cuda" and train.stored_layers == "auto" and train.world_size == 1 and ckpt is not False
         )
+        at = functools.partial(
+            train_estimate, spec, cfg, checkpointing=ckpt, device_type=device_type, head_on_host=host_head
+        )
+        graphable = train.cuda_graphs and device_type == "cuda" and ckpt is not False and refusal is None
         micro_batch, grad_accum, auto_note = auto_micro_batch(
             train,
-            lambda mb: fits(train_estimate(spec, cfg, mb, ckpt, device_type, head_on_host=host_head)),
+            lambda mb: runs(at(micro_batch=mb)),
             spec.data.max_seq_length if to_stored else None,
+            (lambda mb: runs(at(micro_batch=mb, cuda_graphs=True))) if graphable else None,
         )
     try:
         shift = downshift_train(micro_batch, grad_accum, ckpt, attempt)
@@ -202,9 +214,8 @@ def resolve_train(
         train_estimate, spec, cfg, shift.micro_batch, shift.checkpointing, device_type, head_on_host=host_head
     )
     # CUDA graphs of the layers' backward hold a recomputed layer in a pool of their own: an extra, used only on
-    # the first attempt and where the estimate with them fits
-    refusal = replay_refusal(cfg)  # layers the runtime never captures: their pool is not planned for
-    graphs = train.cuda_graphs and attempt == 1 and refusal is None and fits(estimate(cuda_graphs=True))
+    # the first attempt and where the estimate with them runs (a tight fit included)
+    graphs = train.cuda_graphs and attempt == 1 and refusal is None and runs(estimate(cuda_graphs=True))
     graphs_off = None
     if train.cuda_graphs and not graphs:
         if attempt > 1:
