@@ -78,6 +78,9 @@ def test_init_proposes_the_micro_batch_plan_chooses(tmp_path, capsys):
         spec = tmp_path / f"{budget}.yaml"
         spec.write_text(capsys.readouterr().out)
         proposals[budget] = yaml.safe_load(spec.read_text())["train"]["micro_batch_size"]
+        comment = next(line for line in spec.read_text().splitlines() if "micro_batch_size:" in line)
+        assert comment.split("# ")[1].startswith(("the largest divisor", "the first divisor")), comment  # auto's reason
+        assert "as in `slimtune plan`" in comment and "accumulation" not in comment, comment
         main(["plan", str(spec), "--gpu-memory", budget, "--set", "train.micro_batch_size=auto"])
         out = capsys.readouterr().out.splitlines()  # "plan for NAME: MODEL, micro-batch X x N tokens, ..."
         chosen = int(out[0].split("micro-batch ")[1].split(" x ")[0])

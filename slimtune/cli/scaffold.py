@@ -105,8 +105,9 @@ def _propose_micro_batch(spec: PipelineSpec, cfg: dict, gpu_total: int | None) -
     mb, seq, card = limits["micro_batch"], spec.data.max_seq_length, f"{gpu_total / _GIB:.1f} GiB"
     if limits["largest_micro_batch"] is None:
         return mb, f"even {mb} x {seq} is estimated at {est.gpu_bytes / _GIB:.2f} GiB, over {card}"
+    why = limits["extras"].auto_note.partition("; ")[2]  # `auto_micro_batch`'s reason; init sets its own accumulation
     tight = "" if budget.gpu_fits(est) else ", a tight fit: its tensors fit"
-    return mb, f"{limits['extras'].auto_note}, as in `slimtune plan`: {est.gpu_bytes / _GIB:.2f} GiB on {card}{tight}"
+    return mb, f"{why}, as in `slimtune plan`: {est.gpu_bytes / _GIB:.2f} GiB on {card}{tight}"
 
 
 def _spec_path(path: Path) -> str:
