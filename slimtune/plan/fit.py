@@ -204,9 +204,10 @@ def auto_micro_batch(train, fits, row_tokens: int | None = None, graphed=None) -
     take buys more speed as stored layers (`train.stored_layers`).
 
     `graphed`: whether a micro-batch runs with CUDA graphs of the layers' backward, where they can be on. The largest
-    that does is taken where any does: below the GPU-bound size the graphs are worth about as much as twice the
-    micro-batch, for less memory (1B at 4 x 2048 on a 2.98 GiB budget, H200: 1 x 4 with graphs 26,634 tokens/s,
-    2 x 2 without 22,925; 2 x 2 with them 46,957, 4 x 1 without 51,691)."""
+    that does is taken where any does. Measured at 1B, where a step is launch-bound, the graphs were worth about as
+    much as twice the micro-batch, for less memory (4 x 2048 on a 2.98 GiB budget, H200: 1 x 4 with graphs 26,634
+    tokens/s, 2 x 2 without 22,925; 2 x 2 with them 46,957, 4 x 1 without 51,691); at 8B 1 x 2048 the graphs took a
+    run within Unsloth's card from 5,217 to 7,975 (two days, docs/performance.md). Not measured side by side at 8B."""
     n = train.effective_batch_size
     candidates = micro_batch_candidates(train)
     if row_tokens:
