@@ -93,6 +93,7 @@ def test_two_ranks_log_the_global_loss_of_one_process_and_only_rank0_writes(tmp_
 
     run_dir = spec.run_dir()
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert "trained with slimtune" in (run_dir / "adapter" / "README.md").read_text()  # rank 0's card, after its save
     assert json.loads((run_dir / "train_report.json").read_text())["steps"] == 4
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["checkpoint-2", "checkpoint-4"]

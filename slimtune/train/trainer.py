@@ -226,8 +226,8 @@ def train_adapter(
         cuda_graphs: capture each checkpointed layer's backward (`step_context`); default `train.cuda_graphs`.
         stored_layers: how many of the last checkpointed layers keep their activations (`step_context`).
         tracker_params: the spec as params for the trackers (`trackers.tracker_params`).
-        describe: writes files about the finished adapter (its card) from the report; MLflow and W&B get them and
-            the report as artifacts.
+        describe: writes files about the finished adapter (its card) from the report, on rank 0 alone; MLflow and
+            W&B get them and the report as artifacts.
 
     Returns:
         The report, also written to run_dir/train_report.json; the adapter is in run_dir/adapter.
@@ -278,9 +278,9 @@ def train_adapter(
         report.run_id, report.finished_at = run_identity()
         if args.process_index == 0:
             atomic.write_json(run_dir / REPORT_FILE, asdict(report))
+            if describe is not None:
+                describe(report)
         run_logger().info("nothing left to train: reusing the adapter and results of run %s", report.reused_from)
-        if describe is not None:
-            describe(report)
         return report
     seconds_before = checkpoints.read_state(resume_from).get("train_seconds", 0.0) if resume_from else 0.0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -420,9 +420,12 @@ def train_adapter(
         stored_layers=stored,
     )
     report.run_id, report.finished_at = run_identity()
+    described: list[Path] = []
+    # Rank 0 alone writes the report and the adapter's card: a rank 1 that wrote the card raced rank 0's
+    # save_adapter, which replaces the whole folder (seen in CI: rank 1's rename found its temporary file gone).
     if trainer.is_world_process_zero():
         atomic.write_json(run_dir / REPORT_FILE, asdict(report))
-    described = list(describe(report)) if describe is not None else []
+        described = list(describe(report)) if describe is not None else []
     for tracker in trackers:
         tracker.close([run_dir / REPORT_FILE, *described])
     trainer.accelerator.wait_for_everyone()  # no rank returns before the adapter exists
