@@ -750,6 +750,31 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
+def markers(name: str) -> tuple[str, str]:
+    """The lines that enclose generated section `name` in a markdown file."""
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+def generated_section(text: str, name: str) -> str:
+    """What lies between section `name`'s markers in `text`; ValueError naming the missing lines."""
+    start, end = markers(name)
+    if start not in text or end not in text or text.index(start) > text.index(end):
+        raise ValueError(f"add the lines '{start}' and '{end}' where the generated {name} section goes")
+    return text.split(start, 1)[1].split(end, 1)[0].removeprefix("\n")
+
+
+def replace_section(path: Path, name: str, section: str) -> None:
+    """Put `section` between section `name`'s markers in the file at `path`, atomically."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        generated_section(text, name)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    start, end = markers(name)
+    head, rest = text.split(start, 1)
+    write_text_atomic(path, f"{head}{start}\n{section}{end}{rest.split(end, 1)[1]}")
+
+
 ERROR_CHARS = 400  # an error in a row is one line, enough to name the cause
 VERSIONED = (
     "torch",
@@ -762,6 +787,8 @@ VERSIONED = (
     "unsloth",
     "unsloth_zoo",
     "trl",
+    "flash-attn",  # the baselines' usual attention kernels: without them they run on SDPA
+    "xformers",
     "gguf",
     "prefect",
 )

@@ -20,11 +20,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import MODEL_SHAPES, write_text_atomic
+from benchmarks.common import MODEL_SHAPES, replace_section, write_text_atomic
 from benchmarks.report import compute_ratios, render_markdown, sort_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
-START, END = "<!-- performance:start -->", "<!-- performance:end -->"
 _SHOWN_VERSIONS = ("torch", "transformers", "peft", "bitsandbytes", "liger-kernel", "unsloth", "triton")
 
 
@@ -127,16 +126,6 @@ def _rounds_sentence(results: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def replace_in_readme(readme: Path, section: str) -> None:
-    """Put `section` between the performance markers of `readme`, atomically."""
-    text = readme.read_text(encoding="utf-8")
-    if START not in text or END not in text or text.index(START) > text.index(END):
-        raise ValueError(f"{readme}: add the lines '{START}' and '{END}' where the Performance section goes")
-    head, rest = text.split(START, 1)
-    tail = rest.split(END, 1)[1]
-    write_text_atomic(readme, f"{head}{START}\n{section}{END}{tail}")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="*", type=Path, help="result JSON files (default: benchmarks/results/*.json)")
@@ -147,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         write_text_atomic(args.out, section)
     if args.readme:
-        replace_in_readme(args.readme, section)
+        replace_section(args.readme, "performance", section)
     if not args.out and not args.readme:
         sys.stdout.write(section)
     return 0

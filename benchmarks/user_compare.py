@@ -181,6 +181,7 @@ def slimtune_row(args: argparse.Namespace, root: Path, logs: Path, timeout: floa
         row["tokens_per_s"] = round(train["tokens_per_s"], 1)
         row["optimizer"] = train["optimizer"]  # as resolved for the device; each TRL row records its own
         row["micro_batch_x_accumulation"] = f"{train['micro_batch_size']} x {train['gradient_accumulation_steps']}"
+        row["stored_layers"] = train.get("stored_layers", 0)  # the last layers that kept their activations
         _steady(row, SimpleNamespace(**train), args.warmup)
     stages = run_stages(run_dir)
     sft = stages.get("packed_sft") or {}

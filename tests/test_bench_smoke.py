@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import render_readme_table, runner
-from benchmarks.common import MODEL_SHAPES
+from benchmarks.common import MODEL_SHAPES, markers
 from benchmarks.report import combine_rounds, compute_ratios, render_markdown
 
 MEASURED = ("tokens_per_s", "step_s_min", "step_s_median", "step_s_max", "loss_first", "loss_last", "host_rss_peak_gib")
@@ -119,7 +119,8 @@ def test_markdown_and_readme_section_render(suite: tuple[dict, Path], tmp_path: 
     assert sum("not installed" in line for line in table) == 4
 
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n{render_readme_table.START}\nold\n{render_readme_table.END}\n\ntail\n")
+    start, end = markers("performance")
+    readme.write_text(f"# x\n\n{start}\nold\n{end}\n\ntail\n")
     render_readme_table.main([str(out / "bench.json"), "--readme", str(readme)])
     text = readme.read_text()
     assert "old" not in text and text.endswith("tail\n") and "## Performance" in text

@@ -2,8 +2,9 @@
 
 The README is the first page a user reads and `.ci/run` runs its test command, so it must open with the two
 commands and the "your own model on your GPU" section, and stay short (issue 45: it had grown to 767 lines of
-measurements). Its performance and memory tables are copies of the ones the benchmarks regenerate in docs/,
-so they are checked against those; its family table is checked against `slimtune/models/families.py`.
+measurements). Its headline table is generated from the committed results (`benchmarks/headline.py`) and its
+budget table is a copy of docs/memory.md's, so both are checked; its family table is checked against
+`slimtune/models/families.py`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import headline
+from benchmarks.common import generated_section
 from slimtune.models.families import FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,16 +57,15 @@ def test_the_family_table_lists_every_supported_architecture() -> None:
     assert listed == {name: family.architecture for name, family in FAMILIES.items()}
 
 
-@pytest.mark.parametrize(
-    ("header", "doc", "markers"),
-    [
-        ("| model | batch | seq | hf_gc | unsloth | **product** |", "performance.md", "performance"),
-        ("| budget (a card size) |", "memory.md", None),
-    ],
-)
-def test_the_readme_tables_are_the_current_ones_in_docs(header: str, doc: str, markers: str | None) -> None:
-    source = (REPO / "docs" / doc).read_text(encoding="utf-8")
-    if markers:  # the generated section: a regenerated table must be copied into the README too
-        source = source.split(f"<!-- {markers}:start -->", 1)[1].split(f"<!-- {markers}:end -->", 1)[0]
+def test_the_readme_budget_table_is_the_current_one_in_docs() -> None:
+    header = "| budget (a card size) |"
     readme_table = _table(README.read_text(encoding="utf-8"), header)
-    assert readme_table == _table(source, header), f"copy the table from docs/{doc} into README.md"
+    assert readme_table == _table((REPO / "docs" / "memory.md").read_text(encoding="utf-8"), header), (
+        "copy the table from docs/memory.md into README.md"
+    )
+
+
+@pytest.mark.parametrize("page", headline.TARGETS, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_headline_table_is_the_one_the_committed_results_give(page: Path) -> None:
+    shown = generated_section(page.read_text(encoding="utf-8"), headline.SECTION)
+    assert shown == headline.render(*headline.load_cells()), "run python3 benchmarks/headline.py --write"

@@ -3,6 +3,7 @@ the per-step rates of the TRL rows, the slimtune spec, the table. The tools them
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -203,3 +204,38 @@ def test_set_passes_spec_fields_through_to_slimtune_run(tmp_path: Path, monkeypa
     row = user_compare.slimtune_row(args, tmp_path, tmp_path, 10.0)
     assert commands[0][-4:] == ["--set", "train.cuda_graphs=false", "--set", "train.micro_batch_size=2"]
     assert row["status"] == "error" and "set" in user_compare._SETTINGS
+
+
+def test_the_slimtune_row_reads_its_choices_from_the_train_report_slimtune_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `auto` chose (micro-batch, graphs, stored layers) and the steady rate come from the run's own
+    train_report.json, in the fields slimtune's TrainReport writes: the headline table shows them."""
+    from dataclasses import asdict
+
+    from slimtune.train.result import TrainReport
+
+    args = user_compare.parse_args("--model tiny --device cpu --steps 4 --warmup 1".split())
+    (tmp_path / "model-tiny").mkdir()
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    losses = [{"step": s, "loss": 3.0 - s / 10, "tokens_per_s": 100.0 * s} for s in range(1, 5)]
+    report = TrainReport(
+        steps=4, losses=losses, eval_loss_before=None, eval_loss_after=None, tokens_seen=4096, tokens_per_s=250.0,
+        padding_waste=0.0, packing_efficiency=1.0, batching="packed", batching_fallback=None, resumed_from=None,
+        not_resumed=None, seconds=9.0, training_seconds=8.0, micro_batch_size=2, gradient_accumulation_steps=2,
+        optimizer="adamw_torch", precision="fp32", adapter_dir="a", cuda_graphs="28 captured, 90 replays",
+        stored_layers=2,
+    )  # fmt: skip
+    spec_name = user_compare.slimtune_spec(args, tmp_path)["name"]
+
+    def run_process(cmd, timeout, log):
+        run_dir = tmp_path / "runs" / spec_name
+        run_dir.mkdir(parents=True)
+        (run_dir / "train_report.json").write_text(json.dumps(asdict(report)))
+        return {"rc": 0, "wall_s": 10.0, "host_rss_peak": 0, "card_peak": None, "tail": ""}
+
+    monkeypatch.setattr(user_compare, "run_process", run_process)
+    row = user_compare.slimtune_row(args, tmp_path, tmp_path, 10.0)
+    assert row["micro_batch_x_accumulation"] == "2 x 2" and row["stored_layers"] == 2
+    assert row["cuda_graphs"] == "28 captured, 90 replays" and row["steady_tokens_per_s"] == 300.0  # steps 2-4
+    assert row["status"] == "ok", row
