@@ -312,7 +312,7 @@ def test_the_input_table_stays_in_host_memory_through_training():
 
 
 def test_auto_at_6_gib_chose_the_largest_micro_batch_that_fits_and_did_not_run_out():
-    from slimtune.plan.fit import auto_micro_batch
+    from slimtune.plan.micro_batch import auto_micro_batch
     from slimtune.spec.schema import TrainSpec
 
     run = {e["run"]: e for e in _e2e_runs()}["e2e-8b-6gib-mbauto"]

@@ -21,6 +21,7 @@ from slimtune.memory.estimate import estimate_export, estimate_load_4bit, estima
 from slimtune.memory.stage_estimate import Estimate
 from slimtune.models.multimodal import copied_bytes, layout_of, trained_config
 from slimtune.models.source import config_dtype
+from slimtune.plan.micro_batch import largest_micro_batch, micro_batch_candidates
 from slimtune.spec.schema import PipelineSpec
 
 _GIB = 1024**3
@@ -28,11 +29,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Optimizer state per trainable parameter: AdamW's two float32 moments, or two 8-bit ones.
 _OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2}
 _SEQ_STEP = 256  # sequence lengths the planner tries are multiples of this
-# Tokens per micro-batch from which a step is bound by the GPU's arithmetic: 8B at 4, 8 and 16 x 2048 trained within
-# 1.5% tokens/s of each other on an H200 (benchmarks/results/memory/h200-2026-11-26-budget-speed.json), where 12
-# stored layers at 4 x 2048 trained 9.7% faster than none (h200-2026-11-27-stored-layers.json).
-GPU_BOUND_TOKENS = 8192
-_MAX_MICRO_BATCH = 256
 
 
 @dataclass(frozen=True)
@@ -184,52 +180,6 @@ def train_estimate(
         cuda_graphs=cuda_graphs,
         stored_layers=stored_layers,
     )
-
-
-def micro_batch_candidates(train) -> list[int]:
-    """Micro-batches `auto` may choose: divisors of the effective batch, so accumulation keeps it exact;
-    for a fixed micro-batch, 1 to 256 (what the planner reports as the largest that fits)."""
-    if train.micro_batch_size == "auto":
-        n = train.effective_batch_size
-        return [d for d in range(1, n + 1) if n % d == 0]
-    return list(range(1, _MAX_MICRO_BATCH + 1))
-
-
-def auto_micro_batch(train, fits, row_tokens: int | None = None, graphed=None) -> tuple[int, int, str]:
-    """(micro_batch, accumulation, note) for `micro_batch_size: auto`: the largest divisor of the effective
-    batch for which `fits(micro_batch)` holds; 1 when none does (the preflight then says why).
-
-    `row_tokens`: the tokens of one row, given where layers can be stored; the micro-batch then stops at the first
-    divisor that reaches `GPU_BOUND_TOKENS`, beyond which a larger one barely speeds a step: the memory it would
-    take buys more speed as stored layers (`train.stored_layers`).
-
-    `graphed`: whether a micro-batch runs with CUDA graphs of the layers' backward, where they can be on. The largest
-    that does is taken where any does. Measured at 1B, where a step is launch-bound, the graphs were worth about as
-    much as twice the micro-batch, for less memory (4 x 2048 on a 2.98 GiB budget, H200: 1 x 4 with graphs 26,634
-    tokens/s, 2 x 2 without 22,925; 2 x 2 with them 46,957, 4 x 1 without 51,691); at 8B 1 x 2048 the graphs took a
-    run within Unsloth's card from 5,217 to 7,975 (two days, docs/performance.md). Not measured side by side at 8B."""
-    n = train.effective_batch_size
-    candidates = micro_batch_candidates(train)
-    if row_tokens:
-        bound = next((d for d in candidates if d * row_tokens >= GPU_BOUND_TOKENS), candidates[-1])
-        candidates = [d for d in candidates if d <= bound]
-    best = largest_micro_batch(graphed, candidates) if graphed else None
-    why = "the largest divisor whose estimate with CUDA graphs runs on the budget"
-    if best is None:
-        best = largest_micro_batch(fits, candidates)
-        why = "the largest divisor whose estimate runs on the budget"
-    mb = best or 1
-    if row_tokens and best == candidates[-1] and candidates[-1] < n:
-        why = f"the first divisor of {GPU_BOUND_TOKENS} tokens or more, the rest of the budget to stored layers"
-    note = f"micro_batch_size auto: {mb} x {n // mb} accumulation (effective batch {n}); " + (
-        why if best else "none fits the budget, trying 1"
-    )
-    return mb, n // mb, note
-
-
-def largest_micro_batch(fits, candidates: list[int]) -> int | None:
-    """The largest candidate for which `fits(micro_batch)` holds (estimates grow with the micro-batch)."""
-    return next((mb for mb in sorted(candidates, reverse=True) if fits(mb)), None)
 
 
 def _device_type(spec: PipelineSpec, budget: Budget) -> str:

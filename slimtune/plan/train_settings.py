@@ -21,7 +21,9 @@ from slimtune.memory.model_shape import model_shape
 from slimtune.memory.stage_estimate import Estimate
 from slimtune.models.families import FAMILIES
 from slimtune.models.graph_replay import replay_refusal
-from slimtune.plan.fit import auto_micro_batch, train_estimate
+from slimtune.plan.fit import train_estimate
+from slimtune.plan.micro_batch import auto_micro_batch
+from slimtune.plan.step_speed import graphs_pay
 from slimtune.spec.schema import PipelineSpec, TrainSpec
 from slimtune.train.step.attention import varlen_expected
 
@@ -199,6 +201,7 @@ def resolve_train(
             lambda mb: runs(at(micro_batch=mb)),
             spec.data.max_seq_length if to_stored else None,
             (lambda mb: runs(at(micro_batch=mb, cuda_graphs=True))) if graphable else None,
+            lambda graphed, eager: graphs_pay(cfg, spec.data.max_seq_length, graphed, eager),
         )
     try:
         shift = downshift_train(micro_batch, grad_accum, ckpt, attempt)
