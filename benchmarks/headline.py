@@ -30,7 +30,7 @@ TARGETS = (REPO / "README.md", REPO / "docs" / "performance.md")
 _SHOWN_VERSIONS = ("torch", "transformers", "trl", "unsloth", "peft", "bitsandbytes")
 
 
-def _follow(data: Any, keys: list[str], where: str) -> dict[str, Any]:
+def _follow(data: Any, keys: list[str], where: str) -> Any:
     """The result `keys` lead to: a dict key, or in a list the element whose "cell" is the key."""
     for key in keys:
         if isinstance(data, dict) and key in data:
@@ -61,8 +61,10 @@ def load_cells(manifest: Path = MANIFEST) -> tuple[dict[str, Any], list[dict[str
         result = _follow(json.loads(path.read_text(encoding="utf-8")), cell["at"], where)
         if result.get("settings", {}).get("match_card_of") != "unsloth":
             raise ValueError(f"{where}: not run with --match-card-of unsloth")
+        if result["settings"].get("set"):
+            raise ValueError(f"{where}: slimtune ran with --set {result['settings']['set']}, not as `auto` chose")
         cells.append({**cell, "where": where, "result": result})
-    for field in ("gpu", *(f"versions.{v}" for v in _SHOWN_VERSIONS)):
+    for field in ("gpu", "gpu_memory", "driver", *(f"versions.{v}" for v in _SHOWN_VERSIONS)):
         seen = {_env(c["result"], field) for c in cells}
         if len(seen) > 1:
             raise ValueError(f"the cells differ in {field} ({sorted(map(str, seen))}): render them apart")

@@ -24,6 +24,7 @@ from benchmarks.common import MODEL_SHAPES, replace_section, write_text_atomic
 from benchmarks.report import compute_ratios, render_markdown, sort_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SECTION = "performance"  # the markers in docs/performance.md: <!-- performance:start --> ... :end -->
 _SHOWN_VERSIONS = ("torch", "transformers", "peft", "bitsandbytes", "liger-kernel", "unsloth", "triton")
 
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         write_text_atomic(args.out, section)
     if args.readme:
-        replace_section(args.readme, "performance", section)
+        replace_section(args.readme, SECTION, section)
     if not args.out and not args.readme:
         sys.stdout.write(section)
     return 0

@@ -28,6 +28,9 @@ def _row(config: str, rate: float | None, card: float, **extra: object) -> dict:
     }
 
 
+_SET = {"model": "1b", "batch": 4, "seq": 2048, "match_card_of": "unsloth", "set": ["train.micro_batch_size=2"]}
+
+
 def _result(ours: dict, *, gpu: str = "NVIDIA H200", match: str | None = "unsloth") -> dict:
     settings = {"model": "1b", "batch": 4, "seq": 2048, "steps": 20, "warmup": 3, "match_card_of": match}
     return {"env": {**_ENV, "gpu": gpu}, "settings": settings, "rows": [_row("unsloth", 1000.0, 3.0), ours]}
@@ -70,6 +73,7 @@ def test_ratios_and_the_count_of_cells_that_meet_the_target_come_from_the_rows(t
             {"a": _result(_row("slimtune", 1500.0, 2.0)), "b": _result(_row("slimtune", 1500.0, 2.0), gpu="H100")},
             "the cells differ in gpu",
         ),
+        ({"a": {**_result(_row("slimtune", 1500.0, 2.0)), "settings": _SET}}, "slimtune ran with --set"),
     ],
 )
 def test_a_cell_that_is_not_a_like_for_like_pair_is_refused(tmp_path: Path, results: dict, message: str) -> None:

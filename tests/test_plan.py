@@ -10,7 +10,7 @@ from model_configs import LLAMA_8B
 
 from slimtune.cli.sizes import parse_size
 from slimtune.plan.fit import Budget, plan, render, train_estimate
-from slimtune.plan.micro_batch import auto_micro_batch, micro_batch_candidates
+from slimtune.plan.micro_batch import Graphs, auto_micro_batch, micro_batch_candidates
 from slimtune.spec.schema import parse_spec
 
 _GIB = 1024**3
@@ -109,21 +109,25 @@ def test_auto_takes_the_largest_divisor_that_fits_and_keeps_the_effective_batch(
     assert auto_micro_batch(train, lambda mb: mb <= 3, 2048)[:2] == (3, 4)
     assert auto_micro_batch(train, lambda mb: True, 512)[:2] == (12, 1)  # 12 x 512 tokens: none reaches 8192
     # a smaller micro-batch with CUDA graphs or a larger one without them: whichever is predicted faster, by how much
-    predicted = {(3, 6): (True, 1.2), (2, 6): (False, 0.8)}
+    speedup = {(3, 6): 1.2, (2, 6): 0.8, (3, 4): 0.9}
 
-    def graphs_pay(graphed: int, eager: int) -> tuple[bool, float]:
-        return predicted[graphed, eager]
+    def graphs(runs_up_to: int) -> Graphs:
+        return Graphs(lambda mb: mb <= runs_up_to, lambda graphed, eager: speedup[graphed, eager])
 
-    mb, accum, note = auto_micro_batch(train, lambda mb: mb <= 6, None, lambda mb: mb <= 3, graphs_pay)
-    assert (mb, accum) == (3, 4) and note.endswith(
+    mb, accum, note = auto_micro_batch(train, lambda mb: mb <= 6, None, graphs(3))
+    assert (mb, accum) == (3, 4)
+    assert note.endswith(
         "with CUDA graphs runs on the budget; predicted 1.20x the tokens/s of micro-batch 6 without them"
     )
-    mb, accum, note = auto_micro_batch(train, lambda mb: mb <= 6, None, lambda mb: mb <= 2, graphs_pay)
+    mb, accum, note = auto_micro_batch(train, lambda mb: mb <= 6, None, graphs(2))
     assert (mb, accum) == (6, 2) and note.endswith("predicted 1.25x the tokens/s of micro-batch 2 with CUDA graphs")
     # graphs on the largest that runs: nothing to weigh
-    mb, accum, note = auto_micro_batch(train, lambda mb: mb <= 6, None, lambda mb: mb <= 6, graphs_pay)
+    mb, accum, note = auto_micro_batch(train, lambda mb: mb <= 6, None, graphs(6))
     assert (mb, accum) == (6, 2) and note.endswith("with CUDA graphs runs on the budget")
-    assert auto_micro_batch(train, lambda mb: mb <= 6, None, lambda mb: False, graphs_pay)[:2] == (6, 2)
+    assert auto_micro_batch(train, lambda mb: mb <= 6, None, graphs(0))[:2] == (6, 2)
+    # stopped at 8192 tokens, the prediction still said
+    mb, accum, note = auto_micro_batch(train, lambda mb: True, 2048, graphs(3))
+    assert (mb, accum) == (4, 3) and "8192 tokens or more" in note and note.endswith("micro-batch 3 with CUDA graphs")
 
 
 def test_auto_in_the_plan_reports_the_choice(tmp_path):

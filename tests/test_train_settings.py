@@ -173,6 +173,12 @@ def test_auto_weighs_graphs_against_a_larger_micro_batch_and_takes_a_tight_fit_f
     big = resolve_train(eight, LLAMA_8B, "cuda", fits=lambda est: est.gpu_bytes <= held)
     assert (big.micro_batch, big.grad_accum, big.cuda_graphs) == (2, 4, False)
     assert big.auto_note.endswith("predicted 1.30x the tokens/s of micro-batch 1 with CUDA graphs")
+    # the headline's 8B 4 x 2048 cell on Unsloth's 8.70 GiB card (benchmarks/results/user/headline.json's note)
+    cell = _spec(tmp_path, micro_batch_size="auto", effective_batch_size=4)
+    unsloths = resolve_train(cell, LLAMA_8B, "cuda", fits=lambda est: est.gpu_bytes <= int(8.70 * 2**30))
+    assert (unsloths.micro_batch, unsloths.cuda_graphs) == (4, False) and "micro-batch 2 with CUDA graphs" in (
+        unsloths.auto_note
+    )
 
     two = _spec(tmp_path, micro_batch_size=2, gradient_accumulation_steps=2)
     graphed = at(2, True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from slimtune.spec.schema import TrainSpec
 
@@ -22,23 +23,24 @@ def micro_batch_candidates(train: TrainSpec) -> list[int]:
     return list(range(1, _MAX_MICRO_BATCH + 1))
 
 
+class Graphs(NamedTuple):
+    """Where CUDA graphs of the layers' backward can be on: whether a micro-batch runs with them, and the predicted
+    tokens/s of a micro-batch with them over a larger one without (`step_speed.graphs_speedup`)."""
+
+    runs: Callable[[int], bool]
+    speedup: Callable[[int, int], float]
+
+
 def auto_micro_batch(
-    train: TrainSpec,
-    fits: Callable[[int], bool],
-    row_tokens: int | None = None,
-    graphed: Callable[[int], bool] | None = None,
-    graphs_pay: Callable[[int, int], tuple[bool, float]] | None = None,
+    train: TrainSpec, fits: Callable[[int], bool], row_tokens: int | None = None, graphs: Graphs | None = None
 ) -> tuple[int, int, str]:
-    """(micro_batch, accumulation, note) for `micro_batch_size: auto`: the largest divisor of the effective
-    batch for which `fits(micro_batch)` holds; 1 when none does (the preflight then says why).
+    """(micro_batch, accumulation, note) for `micro_batch_size: auto`: the largest divisor of the effective batch
+    for which `fits(micro_batch)` holds, or a smaller one that runs with CUDA graphs where those are predicted to
+    pay more (`graphs`); 1 when none fits (the preflight then says why).
 
     `row_tokens`: the tokens of one row, given where layers can be stored; the micro-batch then stops at the first
     divisor that reaches `GPU_BOUND_TOKENS`, beyond which a larger one barely speeds a step: the memory it would
     take buys more speed as stored layers (`train.stored_layers`).
-
-    `graphed`: whether a micro-batch runs with CUDA graphs of the layers' backward, where they can be on. Where the
-    largest that does is smaller than the largest that runs without them, `graphs_pay(graphed, eager)` says which
-    trains faster, and its predicted ratio (`slimtune.plan.step_speed`).
     """
     n = train.effective_batch_size
     candidates = micro_batch_candidates(train)
@@ -46,24 +48,23 @@ def auto_micro_batch(
         bound = next((d for d in candidates if d * row_tokens >= GPU_BOUND_TOKENS), candidates[-1])
         candidates = [d for d in candidates if d <= bound]
     best = largest_micro_batch(fits, candidates)
-    why = "the largest divisor whose estimate runs on the budget"
-    with_graphs = largest_micro_batch(graphed, candidates) if graphed else None
-    if with_graphs is not None and best is not None and best > with_graphs:
-        assert graphs_pay is not None, "graphed needs graphs_pay"
-        pay, ratio = graphs_pay(with_graphs, best)
-        if pay:
-            why = "the largest divisor whose estimate with CUDA graphs runs on the budget; predicted "
-            why += f"{ratio:.2f}x the tokens/s of micro-batch {best} without them"
+    with_graphs = largest_micro_batch(graphs.runs, candidates) if graphs else None
+    why, weighed = "the largest divisor whose estimate runs on the budget", ""
+    if graphs and with_graphs is not None and best is not None and best > with_graphs:
+        ratio = graphs.speedup(with_graphs, best)
+        if ratio >= 1.0:  # a tie (both compute-bound) to the smaller one: it leaves more to stored layers
+            why = "the largest divisor whose estimate with CUDA graphs runs on the budget"
+            weighed = f"; predicted {ratio:.2f}x the tokens/s of micro-batch {best} without them"
             best = with_graphs
         else:
-            why += f"; predicted {1 / ratio:.2f}x the tokens/s of micro-batch {with_graphs} with CUDA graphs"
+            weighed = f"; predicted {1 / ratio:.2f}x the tokens/s of micro-batch {with_graphs} with CUDA graphs"
     elif with_graphs is not None:
         why = "the largest divisor whose estimate with CUDA graphs runs on the budget"
     mb = best or 1
     if row_tokens and best == candidates[-1] and candidates[-1] < n:
         why = f"the first divisor of {GPU_BOUND_TOKENS} tokens or more, the rest of the budget to stored layers"
     note = f"micro_batch_size auto: {mb} x {n // mb} accumulation (effective batch {n}); " + (
-        why if best else "none fits the budget, trying 1"
+        why + weighed if best else "none fits the budget, trying 1"
     )
     return mb, n // mb, note
 

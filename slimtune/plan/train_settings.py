@@ -3,8 +3,8 @@
 The flow's packed_sft task, `slimtune plan`, attach_lora and every torchrun rank read their micro-batch,
 accumulation, checkpointing, kernels, varlen attention, CUDA graphs, stored layers and memory estimate from here, so the
 micro-batch the planner reports, the checkpointing attach_lora sets up and the kernels the guard's estimate
-assumes cannot drift apart. A root module beside `slimtune.plan.fit` (whose search primitives it uses, and which
-calls it): inside train/ the two would make an import cycle through that folder (tests/test_import_graph.py).
+assumes cannot drift apart. A root module beside `slimtune.plan.fit` (whose estimates it uses, and which calls
+it): inside train/ the two would make an import cycle through that folder (tests/test_import_graph.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from slimtune.memory.stage_estimate import Estimate
 from slimtune.models.families import FAMILIES
 from slimtune.models.graph_replay import replay_refusal
 from slimtune.plan.fit import train_estimate
-from slimtune.plan.micro_batch import auto_micro_batch
-from slimtune.plan.step_speed import graphs_pay
+from slimtune.plan.micro_batch import Graphs, auto_micro_batch
+from slimtune.plan.step_speed import graphs_speedup
 from slimtune.spec.schema import PipelineSpec, TrainSpec
 from slimtune.train.step.attention import varlen_expected
 
@@ -196,12 +196,13 @@ def resolve_train(
             train_estimate, spec, cfg, checkpointing=ckpt, device_type=device_type, head_on_host=host_head
         )
         graphable = train.cuda_graphs and device_type == "cuda" and ckpt is not False and refusal is None
+        seq = spec.data.max_seq_length  # packed rows are full
+        graphs = Graphs(
+            lambda mb: runs(at(micro_batch=mb, cuda_graphs=True)),
+            lambda graphed, eager: graphs_speedup(cfg, seq, graphed, eager),
+        )
         micro_batch, grad_accum, auto_note = auto_micro_batch(
-            train,
-            lambda mb: runs(at(micro_batch=mb)),
-            spec.data.max_seq_length if to_stored else None,
-            (lambda mb: runs(at(micro_batch=mb, cuda_graphs=True))) if graphable else None,
-            lambda graphed, eager: graphs_pay(cfg, spec.data.max_seq_length, graphed, eager),
+            train, lambda mb: runs(at(micro_batch=mb)), seq if to_stored else None, graphs if graphable else None
         )
     try:
         shift = downshift_train(micro_batch, grad_accum, ckpt, attempt)
