@@ -49,17 +49,16 @@ def auto_micro_batch(
         candidates = [d for d in candidates if d <= bound]
     best = largest_micro_batch(fits, candidates)
     with_graphs = largest_micro_batch(graphs.runs, candidates) if graphs else None
-    why, weighed = "the largest divisor whose estimate runs on the budget", ""
+    weighed = ""
     if graphs and with_graphs is not None and best is not None and best > with_graphs:
         ratio = graphs.speedup(with_graphs, best)
         if ratio >= 1.0:  # a tie (both compute-bound) to the smaller one: it leaves more to stored layers
-            why = "the largest divisor whose estimate with CUDA graphs runs on the budget"
             weighed = f"; predicted {ratio:.2f}x the tokens/s of micro-batch {best} without them"
             best = with_graphs
         else:
             weighed = f"; predicted {1 / ratio:.2f}x the tokens/s of micro-batch {with_graphs} with CUDA graphs"
-    elif with_graphs is not None:
-        why = "the largest divisor whose estimate with CUDA graphs runs on the budget"
+    with_them = " with CUDA graphs" if best is not None and best == with_graphs else ""
+    why = f"the largest divisor whose estimate{with_them} runs on the budget"
     mb = best or 1
     if row_tokens and best == candidates[-1] and candidates[-1] < n:
         why = f"the first divisor of {GPU_BOUND_TOKENS} tokens or more, the rest of the budget to stored layers"

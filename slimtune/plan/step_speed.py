@@ -17,7 +17,7 @@ Fitted to steady tokens/s of `slimtune run` (tests/test_step_speed.py holds the 
   benchmarks/results/memory/h200-2026-11-26-budget-speed.json). Micro-batch 2 eager: 10,086 on an H100 under an
   8 GiB budget (benchmarks/results/budgets/h100-2026-11-28-8b-under-budgets.json). That file kept only the
   printed row: micro-batch 2 without graphs is inferred from its budget and its 6.49 GiB allocated peak (1 x 1:
-  5.49; 2 x 2 graphed did not fit 8 GiB then).
+  5.49; that code's plan kept graphs off at 8 GiB).
 Rates depend on the machine (a faster host shortens the launches), so only the order of two choices is used.
 """
 
